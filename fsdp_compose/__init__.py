@@ -1,0 +1,14 @@
+"""Fully sharded data parallel as a module annotation. Public: the names in __all__."""
+
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]

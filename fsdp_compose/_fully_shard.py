@@ -1,0 +1,446 @@
+"""fully_shard() and FSDPModule: check arguments, build a unit, install its hooks."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any, NoReturn, overload
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from ._hooks import STATE_ATTR, UnitState, state_of
+from ._param import ShardedParam
+from ._policies import MixedPrecisionPolicy, OffloadPolicy
+from ._unit import Unit
+
+# Marks the sharded parameters we create, so a later call on an inner module can tell
+# "sharded by an enclosing fully_shard" from a tensor-parallel DTensor.
+_SHARDED_MARK = "_fsdp_compose_sharded"
+
+
+class FSDPModule:
+    """A module annotated by `fully_shard`. Its class is a dynamic subclass of this one and of
+    its original class, so `isinstance(module, OriginalClass)` still holds."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> nn.Module:
+        # Containers such as nn.Sequential build new instances of their own class when
+        # sliced; those are plain modules, not annotated ones.
+        original = cls.__mro__[2]
+        module = original.__new__(original)
+        module.__init__(*args, **kwargs)
+        return module
+
+    def _state(self) -> UnitState:
+        return self.__dict__[STATE_ATTR]
+
+    def _states(self, recurse: bool) -> list[UnitState]:
+        if not recurse:
+            return [self._state()]
+        states: list[UnitState] = []
+        for module in self.modules():  # type: ignore[attr-defined]
+            state = state_of(module)
+            if state is not None and not any(state is s for s in states):
+                states.append(state)
+        return states
+
+    # -- state ------------------------------------------------------------------------------
+
+    @overload
+    def unshard(self, async_op: bool = ...) -> UnshardHandle | None: ...
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters now. With `async_op=True`, return a handle whose
+        `wait()` finishes the unshard; the next forward waits for it too."""
+        state = self._state()
+        state.lazy_init()
+        state.unit.unshard(async_op=async_op)
+        if async_op:
+            return UnshardHandle(state.unit)
+        state.unit.wait_for_unshard()
+        return None
+
+    def reshard(self) -> None:
+        """Free this unit's unsharded parameters and register the sharded ones."""
+        self._state().unit.reshard()
+
+    def reset_iter_state(self) -> None:
+        """Forget the current iteration (e.g. after an exception): every unit under the root
+        is resharded and IDLE. Safe to call at any time."""
+        self._state().reset_iter_state()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step. Gradient
+        reductions here finish within each backward, so every backward is complete; the
+        flag is kept for code written for torch's fully_shard."""
+        for state in self._states(recurse=False):
+            if state.ctx is not None:
+                state.ctx.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With False, backward keeps unsharded gradients on each rank and accumulates
+        them; the next backward with True reduces the sum. For gradient accumulation."""
+        for state in self._states(recurse):
+            state.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP only: whether to all-reduce across replicas. No effect on a 1-D mesh."""
+        for state in self._states(recurse):
+            state.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether to free the unsharded parameters after forward (gathered again in backward)."""
+        _check_reshard_after_forward(reshard_after_forward, self)
+        for state in self._states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether to free the unsharded parameters after backward (e.g. keep them across
+        gradient-accumulation micro-batches)."""
+        for state in self._states(recurse):
+            state.reshard_after_backward = reshard_after_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward gathers this unit's parameters; False for units whose parameters
+        backward never reads."""
+        self._state().unshard_in_backward = unshard_in_backward
+
+    # -- communication ----------------------------------------------------------------------
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's summed gradients by `factor` instead of the mesh size."""
+        self._state().unit.gradient_divide_factor = factor
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with a plain SUM on the wire and divide locally afterwards."""
+        self._state().unit.force_sum_reduction = enable
+
+    def _not_yet(self, what: str) -> NoReturn:
+        raise NotImplementedError(
+            f"{type(self).__name__}: {what} is not supported by fsdp_compose yet."
+        )
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._not_yet("explicit forward prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._not_yet("explicit backward prefetch")
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        self._not_yet("set_reduce_scatter_divide_factor (use set_gradient_divide_factor)")
+
+    def set_reduce_scatter_unused_params(self, enable: bool) -> None:
+        self._not_yet("reduce-scattering unused parameters")
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        self._not_yet("a post-optimizer event (it orders CUDA streams)")
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        self._not_yet("a custom all-gather")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        self._not_yet("a custom reduce-scatter")
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        self._not_yet("an all-reduce hook")
+
+    def set_reduce_scatter_max_input_buffers(self, max_buffers: int) -> None:
+        self._not_yet("bounding reduce-scatter input buffers")
+
+    def set_separate_reduce_scatter_group(self, *args: Any, **kwargs: Any) -> None:
+        self._not_yet("a separate reduce-scatter process group")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        self._not_yet("allocating communication buffers from the process group (CUDA)")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        self._not_yet("symmetric-memory communication buffers (CUDA)")
+
+
+class UnshardHandle:
+    """Returned by `FSDPModule.unshard(async_op=True)`: `wait()` finishes the unshard."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        self._unit.wait_for_unshard()
+
+
+@functools.cache
+def _annotated_class(cls: type) -> type:
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+) -> FSDPModule | list[FSDPModule]:
+    """Shard `module`'s parameters over `mesh`; gather them only while it computes.
+
+    In place: the module keeps its class (now also an FSDPModule), its submodules and its
+    parameters' names; its parameters become DTensors sharded on dim 0, so an optimizer
+    built afterwards steps on shards. Call it bottom-up; each call claims the parameters no
+    inner call claimed, and a list of modules forms one unit:
+
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+
+    `reshard_after_forward`: free the unsharded parameters after forward and gather them
+    again for backward; None means True, except for the root unit (the first to run
+    forward), which keeps them. `ignored_params` stay as they are: not sharded, not reduced.
+    Arguments are checked before anything changes, so a call that raises leaves `module`
+    untouched.
+    """
+    modules = list(module) if isinstance(module, list) else [module]
+    _check_modules(modules)
+    name = ", ".join(type(m).__name__ for m in modules)
+    _check_options(name, reshard_after_forward, shard_placement_fn, mp_policy,
+                   offload_policy, dp_mesh_dims)
+    mesh = mesh if mesh is not None else _default_mesh(name)
+    _check_mesh(name, mesh)
+    device = _mesh_device(mesh)
+    collected = _collect_params(modules, name, set(ignored_params or ()))
+    _check_params(name, collected, device)
+
+    params = [ShardedParam(fqn, p, owners, mesh, device) for fqn, p, owners in collected]
+    _move_buffers(modules, device)
+    state = UnitState(modules, Unit(params, mesh), reshard_after_forward, label=name)
+    state.original_params = {id(p): weakref.ref(p) for _, p, _ in collected}
+    for param in params:
+        setattr(param.sharded, _SHARDED_MARK, True)
+        param.to_sharded()
+    for m in modules:
+        m.__dict__[STATE_ATTR] = state
+        m.__class__ = _annotated_class(type(m))
+    state.install_hooks()
+    return module  # type: ignore[return-value]
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make `module.<method_name>` gather and free parameters as `forward` does (e.g. a
+    `generate` that does not call forward). A no-op when `module` is not annotated."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register")
+    method = getattr(module, method_name)
+    state = module._state()
+
+    @functools.wraps(method)
+    def forward_method(*args: Any, **kwargs: Any) -> Any:
+        new = state.pre_forward(module, args, kwargs)  # type: ignore[arg-type]
+        if new is not None:
+            args, kwargs = new
+        output = method(*args, **kwargs)
+        hooked = state.post_forward(module, args, output)  # type: ignore[arg-type]
+        return output if hooked is None else hooked
+
+    setattr(module, method_name, forward_method)
+
+
+# -- checks: all on data every rank has, all before anything changes ---------------------
+
+
+def _check_modules(modules: list[nn.Module]) -> None:
+    if not modules:
+        raise ValueError("fully_shard needs a module or a non-empty list of modules, got []")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}"
+            )
+        if isinstance(m, FSDPModule):
+            raise ValueError(
+                f"fully_shard({type(m).__name__}): this module is already annotated; call "
+                "fully_shard once per module."
+            )
+
+
+def _check_reshard_after_forward(value: object, where: object) -> None:
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, int):
+        raise NotImplementedError(
+            f"{type(where).__name__}: reshard_after_forward={value} (resharding to a smaller "
+            "group after forward) is not supported yet; pass True or False."
+        )
+    raise TypeError(
+        f"{type(where).__name__}: reshard_after_forward must be a bool or None, "
+        f"got {type(value).__name__} {value!r}"
+    )
+
+
+def _check_options(
+    name: str, reshard_after_forward: object, shard_placement_fn: object,
+    mp_policy: object, offload_policy: object, dp_mesh_dims: object,
+) -> None:
+    _check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"fully_shard({name}): mp_policy must be fsdp_compose.MixedPrecisionPolicy, "
+            f"got {type(mp_policy).__module__}.{type(mp_policy).__name__}"
+        )
+    if mp_policy != MixedPrecisionPolicy():
+        raise NotImplementedError(
+            f"fully_shard({name}): mixed precision ({mp_policy}) is not supported yet; "
+            "use the default MixedPrecisionPolicy()."
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"fully_shard({name}): offload_policy must be fsdp_compose.OffloadPolicy or "
+            f"CPUOffloadPolicy, got {type(offload_policy).__name__}"
+        )
+    if type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError(
+            f"fully_shard({name}): {type(offload_policy).__name__} (CPU offload) is not "
+            "supported yet; use the default OffloadPolicy()."
+        )
+    if shard_placement_fn is not None:
+        raise NotImplementedError(
+            f"fully_shard({name}): shard_placement_fn (sharding on a dim other than 0) is "
+            "not supported; parameters are sharded on dim 0."
+        )
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard({name}): dp_mesh_dims (multi-dimensional meshes) is not supported "
+            "yet; pass a 1-D mesh."
+        )
+
+
+def _default_mesh(name: str) -> DeviceMesh:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"fully_shard({name}): no default process group. Call "
+            "torch.distributed.init_process_group() first (torchrun sets up its environment), "
+            "or pass mesh=."
+        )
+    accelerator = torch.accelerator.current_accelerator()
+    device_type = accelerator.type if accelerator is not None else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _check_mesh(name: str, mesh: object) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard({name}): mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"fully_shard({name}): a {mesh.ndim}-D mesh (HSDP) is not supported yet; "
+            "pass a 1-D mesh."
+        )
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def _collect_params(
+    modules: list[nn.Module], name: str, ignored: set[nn.Parameter]
+) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """(fqn, parameter, every (module, attribute) holding it) for each parameter the unit
+    owns: those under `modules` not owned by an inner unit and not ignored."""
+    found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    inner: list[UnitState] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for attr, param in module._parameters.items():
+            if param is None or param in ignored:
+                continue
+            fqn = prefix + attr
+            if id(param) in found:
+                found[id(param)][2].append((module, attr))  # tied within the unit
+            else:
+                found[id(param)] = (fqn, param, [(module, attr)])
+        for child_name, child in module._modules.items():
+            if child is None:
+                continue
+            state = state_of(child)
+            if state is not None:
+                inner.append(state)
+            else:
+                visit(child, f"{prefix}{child_name}.")
+
+    for m in modules:
+        visit(m, "")
+    for fqn, param, _ in found.values():
+        if any(state.owned_before_sharding(param) for state in inner):
+            raise NotImplementedError(
+                f"fully_shard({name}): parameter {fqn!r} is shared with an inner unit that "
+                "already sharded it. Tied parameters must live in one unit: annotate the "
+                "modules that share it together (or only their common parent)."
+            )
+    return list(found.values())
+
+
+def _check_params(
+    name: str,
+    collected: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+    device: torch.device,
+) -> None:
+    dtypes: dict[torch.dtype, str] = {}
+    for fqn, param, _ in collected:
+        if isinstance(param, DTensor):
+            if getattr(param, _SHARDED_MARK, False):
+                raise ValueError(
+                    f"fully_shard({name}): parameter {fqn!r} is already sharded by fully_shard "
+                    "on an enclosing module. Annotate bottom-up: inner modules first, then "
+                    "the modules that contain them."
+                )
+            raise NotImplementedError(
+                f"fully_shard({name}): parameter {fqn!r} is already a DTensor on mesh "
+                f"{param.device_mesh} with {param.placements}; composing with tensor "
+                "parallelism is not supported yet."
+            )
+        if param.ndim == 0:
+            raise ValueError(
+                f"fully_shard({name}): parameter {fqn!r} is a scalar and cannot be sharded on "
+                "dim 0. Give it shape (1,), or pass it in ignored_params to keep it whole."
+            )
+        if param.device.type == "meta":
+            raise NotImplementedError(
+                f"fully_shard({name}): parameter {fqn!r} is on the meta device; deferred "
+                "initialisation is not supported yet. Materialise the model first "
+                "(module.to_empty(device=...) and reset_parameters())."
+            )
+        if param.device.type != device.type and param.device.type != "cpu":
+            raise ValueError(
+                f"fully_shard({name}): parameter {fqn!r} is on {param.device} but the mesh is "
+                f"on {device.type}. Build the mesh on the parameters' device type, or move "
+                "the module there first."
+            )
+        dtypes.setdefault(param.dtype, fqn)
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{fqn!r} is {dtype}" for dtype, fqn in dtypes.items())
+        raise NotImplementedError(
+            f"fully_shard({name}): one unit's parameters must share a dtype ({listing}). "
+            "Annotate the differently typed submodules as units of their own."
+        )
+
+
+def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
+    """Buffers follow their parameters to the mesh's device (parameters move by sharding)."""
+    for m in modules:
+        for module in m.modules():
+            for attr, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    module._buffers[attr] = buffer.to(device)

@@ -1,0 +1,273 @@
+"""Forward and backward hooks, and the per-unit phase machine that orders them.
+
+A unit is unsharded in its forward pre-hook and resharded in its forward post-hook (unless
+it keeps its parameters for backward). Gradient hooks on the forward outputs unshard it again
+before its backward; an identity autograd function on the forward inputs runs once the
+unit's backward is done, which reduces its gradients. A callback queued on the autograd
+engine ends every backward: it finishes what no hook finished and resets the iteration.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from ._unit import Unit
+
+STATE_ATTR = "_fsdp_compose_state"
+
+
+class Phase(enum.Enum):
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()
+    POST_BACKWARD = enum.auto()
+
+
+_NEXT = {
+    Phase.IDLE: {Phase.FORWARD, Phase.PRE_BACKWARD},
+    Phase.FORWARD: {Phase.IDLE, Phase.FORWARD},  # FORWARD again: another module of a list unit
+    Phase.PRE_BACKWARD: {Phase.PRE_BACKWARD, Phase.POST_BACKWARD},
+    # A part of the graph whose inputs did not require grad reaches the unit again after
+    # its reduction; it is unsharded and reduced once more (grads accumulate correctly).
+    Phase.POST_BACKWARD: {Phase.PRE_BACKWARD},
+}
+_IN_BACKWARD = (Phase.PRE_BACKWARD, Phase.POST_BACKWARD)
+
+
+def state_of(module: nn.Module) -> UnitState | None:
+    """The unit state fully_shard attached to `module`, if any."""
+    return module.__dict__.get(STATE_ATTR)
+
+
+@dataclass
+class IterContext:
+    """What a root shares with every unit under it, for one iteration at a time."""
+
+    root: UnitState
+    states: list[UnitState]  # every unit under the root, in module order
+    forward_root: UnitState | None = None  # the unit whose forward encloses the others'
+    final_callback_queued: bool = False
+    is_last_backward: bool = True
+
+
+@dataclass(eq=False)
+class UnitState:
+    """One unit's hooks and phase. Its flags are what FSDPModule's setters change."""
+
+    modules: list[nn.Module]
+    unit: Unit
+    reshard_after_forward: bool | None  # None: decided at lazy init (False for the root)
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True
+    requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True
+    label: str = ""
+    phase: Phase = Phase.IDLE
+    ctx: IterContext | None = None
+    # id -> weak reference of each parameter as it was before sharding, to recognise a
+    # parameter tied to one outside the unit when an enclosing module is annotated.
+    original_params: dict[int, weakref.ref[nn.Parameter]] = field(default_factory=dict)
+    _modules_to_run: set[nn.Module] = field(default_factory=set)
+    _pending_post_backward: int = 0  # identity functions whose backward has not run yet
+
+    def install_hooks(self) -> None:
+        for module in self.modules:
+            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.post_forward)
+
+    def owned_before_sharding(self, param: nn.Parameter) -> bool:
+        ref = self.original_params.get(id(param))
+        return ref is not None and ref() is param
+
+    @property
+    def is_root(self) -> bool:
+        return self.ctx is not None and self.ctx.root is self
+
+    def _enter(self, phase: Phase) -> None:
+        assert phase in _NEXT[self.phase], (
+            f"fsdp_compose unit {self.label} on rank {self.unit.mesh.get_rank()}: "
+            f"{self.phase.name} -> {phase.name}"
+        )
+        self.phase = phase
+
+    def lazy_init(self) -> None:
+        """Make this unit the root of every unit below it, on its first forward."""
+        if self.ctx is not None:
+            return
+        if len(self.modules) > 1:
+            names = ", ".join(type(m).__name__ for m in self.modules)
+            raise RuntimeError(
+                f"fully_shard([{names}]) ran forward before any enclosing unit: a root must be "
+                "one module. Call fully_shard(model) on the module that contains them all."
+            )
+        states: list[UnitState] = []
+        for fqn, module in self.modules[0].named_modules():
+            state = state_of(module)
+            if state is None or any(state is s for s in states):
+                continue
+            if state is not self and state.ctx is not None:
+                raise RuntimeError(
+                    f"fully_shard: the unit at {fqn!r} ({type(module).__name__}) already ran "
+                    f"forward as a root before its enclosing unit "
+                    f"{type(self.modules[0]).__name__}. Run forward through the outermost "
+                    "annotated module first."
+                )
+            state.label = fqn or f"<root {type(module).__name__}>"
+            states.append(state)
+        ctx = IterContext(root=self, states=states)
+        for state in states:
+            state.ctx = ctx
+            if state.reshard_after_forward is None:
+                # The root's parameters would be freed and gathered again at once.
+                state.reshard_after_forward = state is not self
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        self.lazy_init()
+        if self.phase in _IN_BACKWARD:
+            # Activation checkpointing re-runs forward inside backward: only make sure the
+            # parameters are there; the pre-backward hook owns this unit's schedule.
+            self._unshard()
+            return None
+        if self.phase is Phase.IDLE:
+            self._modules_to_run = set(self.modules)
+            if self.ctx.forward_root is None:
+                self.ctx.forward_root = self
+        self._enter(Phase.FORWARD)
+        self._unshard()
+        if torch.is_grad_enabled():
+            return self._register_post_backward(args, kwargs)
+        return None
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.phase in _IN_BACKWARD:
+            return None  # recomputation: see pre_forward
+        self._modules_to_run.discard(module)
+        self._register_pre_backward(output)
+        if self._modules_to_run:
+            return None  # a list unit: wait for its other modules
+        self._finish_forward()
+        if self.ctx.forward_root is self:
+            self.ctx.forward_root = None
+            # A list unit whose modules did not all run (e.g. a head skipped by a chunked
+            # loss) still ends its forward with the forward that enclosed it.
+            for state in self.ctx.states:
+                if state.phase is Phase.FORWARD:
+                    state._modules_to_run.clear()
+                    state._register_pre_backward(output)
+                    state._finish_forward()
+        return None
+
+    def _finish_forward(self) -> None:
+        self._enter(Phase.IDLE)
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.unit.reshard()  # no backward can follow a forward without grad
+
+    def _unshard(self) -> None:
+        self.unit.unshard()
+        self.unit.wait_for_unshard()  # an async unshard() may have started it
+
+    def _register_post_backward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not where:
+            return None  # the end-of-backward callback reduces this unit
+        outs = _PostBackward.apply(self, *(flat[i] for i in where))
+        for i, out in zip(where, outs):
+            flat[i] = out
+        self._pending_post_backward += 1
+        return tree_unflatten(flat, spec)
+
+    def _register_pre_backward(self, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for x in tree_leaves(output):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                x.register_hook(self._pre_backward)
+
+    # -- backward --------------------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        if self.phase is not Phase.PRE_BACKWARD:
+            self._enter(Phase.PRE_BACKWARD)
+            self._queue_final_callback()
+        if self.unshard_in_backward:
+            self._unshard()
+
+    def post_backward(self) -> None:
+        """Run once the unit's backward is done: every forward's identity function fired."""
+        self._pending_post_backward = max(self._pending_post_backward - 1, 0)
+        if self._pending_post_backward or self.phase is not Phase.PRE_BACKWARD:
+            return
+        self._enter(Phase.POST_BACKWARD)
+        self._reduce_and_reshard()
+
+    def _reduce_and_reshard(self) -> None:
+        if self.requires_gradient_sync:
+            self.unit.reduce_grads()
+        if self.reshard_after_backward:
+            self.unit.reshard()
+
+    def _queue_final_callback(self) -> None:
+        if not self.ctx.final_callback_queued:
+            self.ctx.final_callback_queued = True
+            Variable._execution_engine.queue_callback(self.ctx.root.finish_backward)
+
+    def finish_backward(self) -> None:
+        """End of backward, on the root: finish every unit no hook finished, in module order
+        (the same on every rank), and start the next iteration from IDLE."""
+        for state in self.ctx.states:
+            if state.phase is Phase.PRE_BACKWARD or (
+                state.phase is not Phase.POST_BACKWARD and state.requires_gradient_sync
+                and state.unit.has_unsharded_grads()
+            ):
+                state._reduce_and_reshard()
+            elif state.phase is not Phase.POST_BACKWARD and state.reshard_after_backward:
+                state.unit.reshard()
+            state.phase = Phase.IDLE
+            state._pending_post_backward = 0
+        self.ctx.final_callback_queued = False
+
+    def reset_iter_state(self) -> None:
+        """Forget the current iteration: every unit IDLE and resharded, nothing pending."""
+        states = self.ctx.states if self.ctx is not None else [self]
+        for state in states:
+            state.unit.reshard()
+            state.phase = Phase.IDLE
+            state._modules_to_run.clear()
+            state._pending_post_backward = 0
+        if self.ctx is not None:
+            self.ctx.forward_root = None
+            self.ctx.final_callback_queued = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs after the unit's backward.
+
+    The engine runs a node only when everything that feeds it is done, and the gradients
+    of the unit's inputs are the last thing its backward computes; it also runs gradient
+    accumulation into leaves (the unsharded parameters) before other ready nodes.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: UnitState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)

@@ -1,0 +1,111 @@
+"""One parameter: its sharded DTensor, its unsharded tensor, and the swap between the two."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ._sharding import ShardLayout, chunk_range, contiguous_stride, shard_layout
+
+
+class ShardedParam:
+    """A parameter sharded on dim 0; registered on its module(s) as one form or the other.
+
+    `sharded` is the `nn.Parameter(DTensor)` the optimizer steps on. Its local tensor is a
+    view of `padded_shard`, whose trailing padding stays zero, so the all-gather reads the
+    padded shard directly. `unsharded` is a plain `nn.Parameter` that autograd sees during
+    forward and backward; it is a view of `_unsharded_buffer` (row r: rank r's padded
+    shard), whose storage is allocated only while the unit is unsharded.
+    """
+
+    def __init__(
+        self,
+        fqn: str,
+        param: nn.Parameter,
+        owners: list[tuple[nn.Module, str]],
+        mesh: DeviceMesh,
+        device: torch.device,
+    ) -> None:
+        self.fqn = fqn
+        self.owners = owners  # every (module, attribute) the parameter is registered as
+        shard_size, rank = mesh.size(), mesh.get_local_rank()
+        self.layout: ShardLayout = shard_layout(param.shape, shard_size)
+        local_shape = self.layout.local_shape(rank)
+        rows = chunk_range(param.shape[0], shard_size, rank)
+
+        self.padded_shard = torch.zeros(
+            self.layout.padded_shard_numel, dtype=param.dtype, device=device
+        )
+        local = self.padded_shard[: local_shape.numel()].view(local_shape)
+        local.copy_(param.detach()[rows.start : rows.stop])
+        self._spec = (mesh, (Shard(0),), self.layout.shape, contiguous_stride(self.layout.shape))
+        self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=param.requires_grad)
+
+        self._unsharded_buffer = torch.empty(
+            shard_size * self.layout.padded_shard_numel, dtype=param.dtype, device=device
+        )
+        # Note [version counter]: the all-gather writes through `.data`, an alias with its
+        # own version counter. Writing through the buffer itself would bump the counter
+        # that autograd checks on the unsharded parameter saved for backward, and the
+        # re-gather before backward would then look like an illegal in-place edit.
+        self._gather_target = self._unsharded_buffer.data.view(shard_size, -1)
+        self.unsharded = nn.Parameter(
+            self._unsharded_buffer[: self.layout.numel].view(self.layout.shape),
+            requires_grad=param.requires_grad,
+        )
+        self._free_unsharded()
+
+    def _as_dtensor(self, local: torch.Tensor) -> DTensor:
+        mesh, placements, shape, stride = self._spec
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+
+    def allocate_unsharded(self) -> torch.Tensor:
+        """Give the unsharded data its storage; return where the all-gather result lands,
+        as (shard_size, padded_shard_numel)."""
+        self._unsharded_buffer.untyped_storage().resize_(self._unsharded_buffer.nbytes)
+        return self._gather_target
+
+    def _free_unsharded(self) -> None:
+        # Free by resizing the storage to 0 rather than dropping the tensor: autograd may
+        # have saved the unsharded parameter, and what it saved must see the data again
+        # after the next all-gather refills the same storage.
+        self._unsharded_buffer.untyped_storage().resize_(0)
+
+    def to_unsharded(self) -> None:
+        """Register the unsharded parameter (its data must already be gathered)."""
+        if self.unsharded.requires_grad != self.sharded.requires_grad:
+            self.unsharded.requires_grad_(self.sharded.requires_grad)  # frozen after annotation
+        for module, name in self.owners:
+            module._parameters[name] = self.unsharded
+
+    def to_sharded(self) -> None:
+        """Register the sharded parameter and free the unsharded data."""
+        for module, name in self.owners:
+            module._parameters[name] = self.sharded
+        self._free_unsharded()
+
+    def write_grad_rows(self, rows: torch.Tensor) -> None:
+        """Copy the unsharded gradient into `rows` (shard_size, padded_shard_numel), padded."""
+        grad = self.unsharded.grad
+        padded_rows, row_numel = self.layout.padded_rows, self.layout.row_numel
+        blocks = rows.view(rows.shape[0], padded_rows, row_numel)  # [rank, row, element]
+        grad_rows = grad.reshape(-1, row_numel)
+        full, rest = divmod(grad_rows.shape[0], padded_rows)
+        blocks[:full].copy_(grad_rows[: full * padded_rows].view(full, padded_rows, row_numel))
+        if full < blocks.shape[0]:
+            blocks[full, :rest].copy_(grad_rows[full * padded_rows :])
+            blocks[full, rest:].zero_()
+            blocks[full + 1 :].zero_()
+
+    def accumulate_grad(self, padded_grad_shard: torch.Tensor) -> None:
+        """Add this rank's reduced gradient shard (flat, padded) to the sharded `.grad`."""
+        local_shape = self.sharded.to_local().shape
+        local = padded_grad_shard[: local_shape.numel()].view(local_shape)
+        if self.sharded.grad is None:
+            self.sharded.grad = self._as_dtensor(local)
+        else:
+            self.sharded.grad.to_local().add_(local)

@@ -1,0 +1,92 @@
+"""A unit: the parameters one fully_shard call gathers and reduces together."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._collectives import all_gather, grad_reduction, reduce_scatter
+from ._param import ShardedParam
+
+
+class Unit:
+    """Unshards its parameters with one all-gather, reduces their gradients with one
+    reduce-scatter. Knows nothing of forward or backward: see _hooks.py for when."""
+
+    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh) -> None:
+        self.params = params
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.shard_size = mesh.size()
+        self.is_unsharded = False
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self._gather_sizes = [p.layout.padded_shard_numel for p in params]
+        self._pending_gather: tuple[torch.Tensor, torch.distributed.Work | None] | None = None
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start gathering the parameters; with `async_op`, finish in `wait_for_unshard`."""
+        if self.is_unsharded or self._pending_gather is not None or not self.params:
+            return
+        shards = torch.cat([p.padded_shard for p in self.params])  # copy-in: one flat send
+        gathered = shards.new_empty(self.shard_size * shards.numel())  # row r: rank r's shards
+        work = all_gather(gathered, shards, self.group, async_op)
+        self._pending_gather = (gathered, work)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Finish a started all-gather: copy out into the unsharded parameters, register them."""
+        if self._pending_gather is None:
+            return
+        gathered, work = self._pending_gather
+        self._pending_gather = None
+        if work is not None:
+            work.wait()
+        torch.split_with_sizes_copy(
+            gathered.view(self.shard_size, -1),
+            self._gather_sizes,
+            dim=1,
+            out=[p.allocate_unsharded() for p in self.params],
+        )
+        for p in self.params:
+            p.to_unsharded()
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Register the sharded parameters again and free the unsharded data."""
+        self.wait_for_unshard()  # an all-gather in flight must land before its buffers go
+        if not self.is_unsharded:
+            return
+        for p in self.params:
+            p.to_sharded()
+        self.is_unsharded = False
+
+    def has_unsharded_grads(self) -> bool:
+        return any(p.unsharded.grad is not None for p in self.params)
+
+    def reduce_grads(self) -> None:
+        """Average the unsharded gradients over the mesh into the sharded `.grad`s.
+
+        Only parameters that received a gradient take part, so frozen and unused ones keep
+        `.grad is None` as in single-process training; which ones did must agree across
+        ranks, as it does whenever every rank runs the same code path.
+        """
+        with_grad = [p for p in self.params if p.unsharded.grad is not None]
+        if not with_grad:
+            return
+        sizes = [p.layout.padded_shard_numel for p in with_grad]
+        dtype = with_grad[0].unsharded.grad.dtype
+        grads = torch.empty(  # row r: what rank r keeps, param after param
+            (self.shard_size, sum(sizes)), dtype=dtype, device=with_grad[0].padded_shard.device
+        )
+        for p, rows in zip(with_grad, grads.split(sizes, dim=1)):
+            p.write_grad_rows(rows)
+            p.unsharded.grad = None
+        reduced = grads.new_empty(sum(sizes))
+        reduction = grad_reduction(
+            self.shard_size, self.gradient_divide_factor, self.force_sum_reduction
+        )
+        reduce_scatter(reduced, grads.view(-1), self.group, reduction)
+        for p, shard in zip(with_grad, reduced.split(sizes)):
+            p.accumulate_grad(shard)

@@ -1,0 +1,132 @@
+"""The `ranks` fixture: pools of gloo worker processes, started once for the whole run.
+
+Spawning processes and creating a process group takes seconds while a test body takes
+milliseconds, so each world size gets one pool whose workers run test functions sent to
+them. A test function lives at module level (the workers import it) and runs on every rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+TASK_TIMEOUT_S = 120  # a whole test function on every rank
+AFTER_ERROR_S = 10  # how long the other ranks get once one rank has failed
+COLLECTIVE_TIMEOUT_S = 60  # gloo's own timeout: a hung collective raises in the worker
+
+
+def _serve(rank: int, world_size: int, init_file: str, tasks: Any, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    while (task := tasks.get()) is not None:  # None means: shut down
+        fn, kwargs = task
+        try:
+            results.put((rank, None, fn(**kwargs)))
+        except BaseException:
+            results.put((rank, traceback.format_exc(), None))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """`world_size` worker processes in one gloo process group."""
+
+    def __init__(self, world_size: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.world_size = world_size
+        self._init_file = os.path.join(tempfile.mkdtemp(prefix="fsdp_compose_pg_"), "init")
+        self._tasks = [context.Queue() for _ in range(world_size)]
+        self._results = context.Queue()
+        self._workers = [
+            context.Process(
+                target=_serve, args=(rank, world_size, self._init_file, tasks, self._results),
+                daemon=True,
+            )
+            for rank, tasks in enumerate(self._tasks)
+        ]
+        for worker in self._workers:
+            worker.start()
+        self.alive = True
+
+    def run(self, fn: Callable[..., Any], timeout: float, **kwargs: Any) -> list[Any]:
+        """Run `fn(**kwargs)` on every rank; return each rank's result, by rank."""
+        for tasks in self._tasks:
+            tasks.put((fn, kwargs))
+        done: dict[int, tuple[str | None, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(done) < self.world_size:
+            try:
+                rank, error, value = self._results.get(timeout=1)
+                done[rank] = (error, value)
+                if error is not None:
+                    deadline = min(deadline, time.monotonic() + AFTER_ERROR_S)
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, w in enumerate(self._workers) if not w.is_alive() and r not in done]
+            if dead or time.monotonic() > deadline:
+                self.close(kill=True)
+                errors = "".join(f"\nrank {r}:\n{e}" for r, (e, _) in sorted(done.items()) if e)
+                missing = sorted(set(range(self.world_size)) - set(done))
+                raise AssertionError(
+                    f"{fn.__name__} at world size {self.world_size}: ranks {missing} "
+                    f"{'died' if dead else 'did not finish (hung collective?)'}; "
+                    f"the pool restarts.{errors}"
+                )
+        errors = "".join(f"\nrank {r}:\n{e}" for r, (e, _) in sorted(done.items()) if e)
+        if errors:
+            raise AssertionError(f"{fn.__name__} at world size {self.world_size} failed:{errors}")
+        return [done[r][1] for r in range(self.world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        for worker, tasks in zip(self._workers, self._tasks):
+            if kill:
+                worker.kill()
+            else:
+                tasks.put(None)
+        for worker in self._workers:
+            worker.join(timeout=10)
+
+
+class Ranks:
+    """`ranks.run(fn, world_size=2, **kwargs)`: fn(**kwargs) on every rank of a pool."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def run(
+        self, fn: Callable[..., Any], *, world_size: int = 2, timeout: float = TASK_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> list[Any]:
+        pool = self._pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = self._pools[world_size] = RankPool(world_size)
+        return pool.run(fn, timeout, **kwargs)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="session")
+def ranks() -> Any:
+    pools = Ranks()
+    yield pools
+    pools.close()
