@@ -56,12 +56,11 @@ class FSDPModule:
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters now. With `async_op=True`, return a handle whose
         `wait()` finishes the unshard; the next forward waits for it too."""
-        state = self._state()
-        state.lazy_init()
-        state.unit.unshard(async_op=async_op)
+        unit = self._state().unit
+        unit.unshard(async_op=async_op)
         if async_op:
-            return UnshardHandle(state.unit)
-        state.unit.wait_for_unshard()
+            return UnshardHandle(unit)
+        unit.wait_for_unshard()
         return None
 
     def reshard(self) -> None:

@@ -1,0 +1,87 @@
+"""Collectives per unit and pass, counted for fsdp_compose and torch's fully_shard alike."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_compose import fully_shard
+from tests.models import Transformer, lm_loss, token_batch
+
+ALL_GATHER = torch.ops.c10d._allgather_base_
+REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the c10d ops dispatched while active. (CommDebugMode would do, but its module
+    tracker fails when a module runs twice before backward.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.counts[func._overloadpacket] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Counts(NamedTuple):
+    forward_all_gathers: int
+    backward_all_gathers: int
+    reduce_scatters: int
+
+
+def count_step(model: torch.nn.Module, forwards: int) -> Counts:
+    tokens = token_batch(0, 2)
+    with CollectiveCounter() as comms:
+        loss = sum(lm_loss(model, tokens) for _ in range(forwards))
+        forward = dict(comms.counts)
+        loss.backward()
+        total = comms.counts
+    assert set(total) <= {ALL_GATHER, REDUCE_SCATTER}, total
+    return Counts(
+        forward.get(ALL_GATHER, 0),
+        total[ALL_GATHER] - forward.get(ALL_GATHER, 0),
+        total[REDUCE_SCATTER] - forward.get(REDUCE_SCATTER, 0),
+    )
+
+
+def check_counts(reshard_after_forward: bool, forwards: int) -> tuple[Counts, Counts]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    ours = Transformer(depth=3)  # 3 block units + the root unit
+    theirs = copy.deepcopy(ours)
+    for model, shard in ((ours, fully_shard), (theirs, torch_fully_shard)):
+        for block in model.blocks:
+            shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        shard(model, mesh=mesh)
+    return count_step(ours, forwards), count_step(theirs, forwards)
+
+
+def test_one_all_gather_per_unit_and_one_reduce_scatter_per_backward(ranks):
+    ours, theirs = ranks.run(check_counts, reshard_after_forward=True, forwards=1)[0]
+    # Forward gathers all 4 units; backward re-gathers the 3 resharded blocks, not the
+    # root (which keeps its parameters); each unit reduces once.
+    assert ours == Counts(4, 3, 4) == theirs
+
+
+def test_no_backward_all_gather_without_reshard_after_forward(ranks):
+    ours, theirs = ranks.run(check_counts, reshard_after_forward=False, forwards=1)[0]
+    assert ours == Counts(4, 0, 4) == theirs
+
+
+def test_two_forwards_reduce_each_unit_once(ranks):
+    ours, theirs = ranks.run(check_counts, reshard_after_forward=True, forwards=2)[0]
+    # The second forward gathers the 3 resharded blocks again (the root stayed unsharded);
+    # backward gathers each block once and keeps it until both forwards' backward ran,
+    # then reduces once: one collective fewer per block than torch's fully_shard.
+    assert ours == Counts(7, 3, 4)
+    assert theirs.forward_all_gathers == 7 and theirs.reduce_scatters >= 4

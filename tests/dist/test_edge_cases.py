@@ -1,0 +1,338 @@
+"""Edge cases of the core runtime, each in parity with single-process training and torch."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from fsdp_compose import FSDPModule, fully_shard, register_fsdp_forward_method
+from tests.dist.parity import train_and_compare
+from tests.models import MLP, Transformer, feature_batch, lm_loss, token_batch
+
+
+def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(x) - x[:, :1]).pow(2).mean()
+
+
+def check_shards_follow_torch_chunk() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = MLP()
+    originals = {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    for fqn, p in model.named_parameters():
+        chunks = torch.chunk(originals[fqn], world)
+        expected = chunks[rank] if rank < len(chunks) else originals[fqn][:0]
+        assert isinstance(p, DTensor) and p.placements[0].is_shard(0), fqn
+        assert torch.equal(p.to_local(), expected), fqn
+        assert torch.equal(p.full_tensor(), originals[fqn]), fqn
+
+
+def test_shards_follow_torch_chunk_with_uneven_and_empty_shards(ranks):
+    ranks.run(check_shards_follow_torch_chunk, world_size=4)
+
+
+def frozen_first_weight_mlp() -> MLP:
+    model = MLP()
+    model.layers[0].weight.requires_grad_(False)
+    model.layers[2].bias.requires_grad_(False)
+    return model
+
+
+def check_frozen_and_trainable_params() -> None:
+    train_and_compare(frozen_first_weight_mlp, mse_loss, feature_batch)
+
+
+def test_frozen_and_trainable_params_in_one_unit(ranks):
+    ranks.run(check_frozen_and_trainable_params, world_size=2)
+
+
+def check_tied_weights() -> None:
+    train_and_compare(lambda: Transformer(tie_weights=True), lm_loss, token_batch)
+
+
+def test_tied_weights_in_one_unit(ranks):
+    ranks.run(check_tied_weights, world_size=2)
+
+
+class Nested(nn.Module):
+    """Three levels of units: inner Linear, the Sequential around it, the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 6)
+        self.middle = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+        self.out = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.relu(self.middle(F.relu(self.inp(x)))))
+
+
+def wrap_nested(model: nn.Module, shard) -> None:
+    shard(model.middle[2])
+    shard(model.middle)
+    shard(model)
+
+
+def check_nested_units() -> None:
+    train_and_compare(Nested, mse_loss, feature_batch, wrap=wrap_nested)
+
+
+def test_nested_units(ranks):
+    ranks.run(check_nested_units, world_size=2)
+
+
+class AlternatingHeads(nn.Module):
+    """Uses head_a on odd calls and head_b on even ones: one unit idles each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 6)
+        self.head_a, self.head_b = nn.Linear(6, 1), nn.Linear(6, 1)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        head = self.head_a if self.calls % 2 else self.head_b
+        return head(F.relu(self.trunk(x)))
+
+
+def wrap_heads(model: nn.Module, shard) -> None:
+    shard(model.head_a)
+    shard(model.head_b)
+    shard(model)
+
+
+def check_unit_not_called() -> None:
+    train_and_compare(AlternatingHeads, mse_loss, feature_batch, steps=4, wrap=wrap_heads)
+
+
+def test_unit_not_called_in_a_step(ranks):
+    ranks.run(check_unit_not_called, world_size=2)
+
+
+class UnusedParam(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[1].unused = nn.Parameter(torch.ones(3, 2))
+
+
+def check_unused_param() -> None:
+    train_and_compare(UnusedParam, mse_loss, feature_batch)
+
+
+def test_unused_param_keeps_no_grad(ranks):
+    ranks.run(check_unused_param, world_size=2)
+
+
+def two_forward_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2)
+    return (mse_loss(model, first) + mse_loss(model, second)) / 2
+
+
+def check_two_forwards() -> None:
+    for reshard in (True, False):
+        train_and_compare(MLP, two_forward_loss, feature_batch, reshard_after_forward=reshard)
+
+
+def test_two_forwards_before_one_backward(ranks):
+    ranks.run(check_two_forwards, world_size=2)
+
+
+class ScaledMLP(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * self.scale)
+
+
+def check_buffers() -> None:
+    train_and_compare(ScaledMLP, mse_loss, feature_batch)
+    model = ScaledMLP()
+    fully_shard(model)
+    assert type(model.scale) is torch.Tensor and "scale" in model.state_dict()
+
+
+def test_buffers_stay_plain_tensors_and_train(ranks):
+    ranks.run(check_buffers, world_size=2)
+
+
+def loss_after_inference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Forwards without grad, in inference mode and in eval, then a training forward."""
+    with torch.no_grad():
+        model(x)
+    with torch.inference_mode():
+        model(x)
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    model.train()
+    if isinstance(model, FSDPModule):
+        stray = [fqn for fqn, p in model.named_parameters() if not isinstance(p, DTensor)]
+        assert not stray, f"left unsharded after inference: {stray}"
+    return mse_loss(model, x)
+
+
+def check_inference_then_training() -> None:
+    train_and_compare(MLP, loss_after_inference, feature_batch)
+
+
+def test_inference_forwards_leave_nothing_unsharded(ranks):
+    ranks.run(check_inference_then_training, world_size=2)
+
+
+def _three_models(make_model, **kwargs):
+    """Reference, ours and torch's, built from the same init."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    ref = make_model()
+    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
+    for model, shard in ((ours, fully_shard), (theirs, torch_fully_shard)):
+        for layer in model.layers:
+            shard(layer, mesh=mesh, **kwargs)
+        shard(model, mesh=mesh, **kwargs)
+    return ref, ours, theirs
+
+
+def check_gradient_accumulation(sync_each_micro_batch: bool) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, ours, theirs = _three_models(MLP)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours, theirs)]
+    for step in range(2):
+        for micro in range(3):
+            last = micro == 2
+            for model in (ours, theirs):
+                model.set_requires_gradient_sync(sync_each_micro_batch or last)
+            x = feature_batch(10 * step + micro, 2 * world)
+            mse_loss(ref, x).backward()
+            mse_loss(ours, x.chunk(world)[rank]).backward()
+            mse_loss(theirs, x.chunk(world)[rank]).backward()
+            if not (sync_each_micro_batch or last):
+                assert all(p.grad is None for p in ours.parameters()), "reduced without sync"
+        ref_params, their_params = dict(ref.named_parameters()), dict(theirs.named_parameters())
+        for fqn, p in ours.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), ref_params[fqn].grad, msg=fqn)
+            assert torch.equal(p.grad.full_tensor(), their_params[fqn].grad.full_tensor()), fqn
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        for fqn, p in ours.named_parameters():
+            torch.testing.assert_close(p.full_tensor(), ref_params[fqn], msg=fqn)
+
+
+def test_gradient_accumulation_without_sync(ranks):
+    ranks.run(check_gradient_accumulation, world_size=2, sync_each_micro_batch=False)
+
+
+def test_gradient_accumulation_with_sync(ranks):
+    ranks.run(check_gradient_accumulation, world_size=2, sync_each_micro_batch=True)
+
+
+def check_ignored_params() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = MLP()
+    ours = copy.deepcopy(ref)
+    fully_shard(ours, ignored_params={ours.layers[1].bias})
+    assert type(ours.layers[1].bias) is nn.Parameter
+    assert isinstance(ours.layers[1].weight, DTensor)
+    x = feature_batch(0, 2 * world).chunk(world)[rank]
+    mse_loss(ref, x).backward()  # the same local data: an ignored grad is not averaged
+    mse_loss(ours, x).backward()
+    assert torch.equal(ours.layers[1].bias.grad, ref.layers[1].bias.grad)
+
+
+def test_ignored_params_stay_whole_and_local(ranks):
+    ranks.run(check_ignored_params, world_size=2)
+
+
+def check_explicit_unshard_and_reshard() -> None:
+    ref, ours, _ = _three_models(MLP)
+    handle = ours.layers[0].unshard(async_op=True)
+    handle.wait()
+    weight = ours.layers[0].weight
+    assert type(weight) is nn.Parameter and torch.equal(weight, ref.layers[0].weight)
+    assert ours.unshard() is None and type(ours.layers[1].weight) is DTensor  # root only
+    x = feature_batch(0, 3)
+    torch.testing.assert_close(ours(x), ref(x))
+    for module in (ours.layers[0], ours):
+        module.reshard()
+    assert all(isinstance(p, DTensor) for p in ours.parameters())
+
+
+def test_explicit_unshard_and_reshard(ranks):
+    ranks.run(check_explicit_unshard_and_reshard, world_size=2)
+
+
+class Scorer(MLP):
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x).sum(dim=1)
+
+
+def check_registered_forward_method() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = Scorer()
+    ours = copy.deepcopy(ref)
+    fully_shard(ours)
+    register_fsdp_forward_method(ours, "score")
+    x = feature_batch(0, 2 * world)
+    ref.score(x).mean().backward()
+    ours.score(x.chunk(world)[rank]).mean().backward()
+    for (fqn, p), ref_p in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad, msg=fqn)
+
+
+def test_registered_forward_method_gathers_parameters(ranks):
+    ranks.run(check_registered_forward_method, world_size=2)
+
+
+def check_gradient_divide_factors() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    grads = []
+    for setting in ("default", "sum", "force_sum"):
+        _, ours, _ = _three_models(MLP)
+        for module in ours.modules():
+            if isinstance(module, FSDPModule) and setting == "sum":
+                module.set_gradient_divide_factor(1.0)
+            if isinstance(module, FSDPModule) and setting == "force_sum":
+                module.set_force_sum_reduction_for_comms(True)
+        mse_loss(ours, feature_batch(0, 2 * world).chunk(world)[rank]).backward()
+        grads.append([p.grad.full_tensor() for p in ours.parameters()])
+    for default, summed, forced in zip(*grads):
+        torch.testing.assert_close(summed, default * world)
+        torch.testing.assert_close(forced, default)
+
+
+def test_gradient_divide_factor_and_forced_sum(ranks):
+    ranks.run(check_gradient_divide_factors, world_size=2)
+
+
+def check_reshard_after_backward_false() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, ours, _ = _three_models(MLP)
+    ours.set_reshard_after_backward(False)
+    x = feature_batch(0, 2 * world)
+    mse_loss(ref, x).backward()
+    mse_loss(ours, x.chunk(world)[rank]).backward()
+    assert all(type(p) is nn.Parameter for p in ours.parameters()), "resharded after backward"
+    for layer in ours.layers:
+        layer.reshard()
+    ours.reshard()
+    for p, ref_p in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad)
+
+
+def test_reshard_after_backward_false_keeps_unsharded(ranks):
+    ranks.run(check_reshard_after_backward_false, world_size=2)

@@ -1,0 +1,101 @@
+"""Misuse fails before any collective with an error that names the module and parameter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from tests.models import MLP, Transformer
+
+
+def _raises(error: type[Exception], match: str, fn, *args, **kwargs) -> None:
+    with pytest.raises(error, match=match):
+        fn(*args, **kwargs)
+
+
+class WithScalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+
+
+def check_misuse_errors() -> None:
+    model = MLP()
+    fully_shard(model.layers[0])
+    _raises(ValueError, r"fully_shard\(FSDPLinear\): this module is already annotated",
+            fully_shard, model.layers[0])
+
+    parent_first = MLP()
+    fully_shard(parent_first)
+    _raises(ValueError, r"parameter 'weight' is already sharded by fully_shard on an "
+            r"enclosing module\. Annotate bottom-up", fully_shard, parent_first.layers[1])
+
+    _raises(TypeError, "expects an nn.Module or a list of them, got Tensor",
+            fully_shard, torch.ones(2))
+    _raises(ValueError, "non-empty list", fully_shard, [])
+    _raises(TypeError, "mesh must be a DeviceMesh, got str", fully_shard, MLP(), mesh="cpu")
+    _raises(NotImplementedError, "a 2-D mesh", fully_shard, MLP(),
+            mesh=init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("r", "s")))
+    _raises(TypeError, "reshard_after_forward must be a bool or None, got str 'yes'",
+            fully_shard, MLP(), reshard_after_forward="yes")
+    _raises(NotImplementedError, "reshard_after_forward=2", fully_shard, MLP(),
+            reshard_after_forward=2)
+    _raises(NotImplementedError, "mixed precision", fully_shard, MLP(),
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    _raises(TypeError, "mp_policy must be fsdp_compose.MixedPrecisionPolicy", fully_shard,
+            MLP(), mp_policy=TorchMixedPrecisionPolicy())
+    _raises(NotImplementedError, "CPUOffloadPolicy", fully_shard, MLP(),
+            offload_policy=CPUOffloadPolicy())
+
+    with torch.device("meta"):
+        on_meta = MLP()
+    _raises(NotImplementedError, r"'layers\.0\.weight' is on the meta device", fully_shard, on_meta)
+
+    mixed = MLP()
+    mixed.layers[1].to(torch.float64)
+    _raises(NotImplementedError, r"must share a dtype \('layers\.0\.weight' is torch\.float32, "
+            r"'layers\.1\.weight' is torch\.float64\)", fully_shard, mixed)
+
+    tied = Transformer(tie_weights=True)
+    fully_shard(tied.tok_emb)
+    _raises(NotImplementedError, r"parameter 'head\.weight' is shared with an inner unit",
+            fully_shard, tied)
+
+    tensor_parallel = MLP()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    tensor_parallel.layers[0].weight = nn.Parameter(
+        distribute_tensor(tensor_parallel.layers[0].weight.detach(), mesh, [Replicate()])
+    )
+    _raises(NotImplementedError, r"'layers\.0\.weight' is already a DTensor .* tensor "
+            "parallelism", fully_shard, tensor_parallel)
+
+    as_list = [nn.Linear(3, 3), nn.Linear(3, 3)]
+    fully_shard(as_list)
+    _raises(RuntimeError, r"fully_shard\(\[FSDPLinear, FSDPLinear\]\) ran forward before any "
+            "enclosing unit", as_list[0], torch.ones(1, 3))
+
+
+def test_misuse_raises_clear_errors(ranks):
+    ranks.run(check_misuse_errors, world_size=2)
+
+
+def check_failed_call_leaves_module_untouched() -> None:
+    model = WithScalar()
+    before = list(model.parameters())
+    _raises(ValueError, r"fully_shard\(WithScalar\): parameter 'temperature' is a scalar",
+            fully_shard, model)
+    assert type(model) is WithScalar and list(model.parameters()) == before
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    fully_shard(model, ignored_params={model.temperature})  # the fix the message suggests
+    assert isinstance(model.linear.weight, DTensor) and type(model.temperature) is nn.Parameter
+
+
+def test_failed_call_leaves_module_untouched(ranks):
+    ranks.run(check_failed_call_leaves_module_untouched, world_size=2)

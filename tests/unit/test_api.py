@@ -1,0 +1,65 @@
+"""The public API's shape and the checks that need no process group."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import fsdp_compose
+from fsdp_compose import FSDPModule, MixedPrecisionPolicy, fully_shard
+from fsdp_compose._collectives import GradReduction, grad_reduction
+
+
+def test_fully_shard_signature_matches_torch():
+    ours = inspect.signature(fully_shard).parameters
+    theirs = inspect.signature(torch_fully_shard).parameters
+    assert list(ours) == list(theirs)
+    for name, param in theirs.items():
+        assert ours[name].kind == param.kind, name
+        if name != "module":
+            assert repr(ours[name].default) == repr(param.default), name
+
+
+def test_fsdp_module_has_every_public_method_of_torch():
+    public = {n for n in dir(TorchFSDPModule) if not n.startswith("_")}
+    missing = sorted(n for n in public if not hasattr(FSDPModule, n))
+    assert not missing, missing
+
+
+def test_public_names():
+    assert sorted(fsdp_compose.__all__) == [
+        "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
+        "UnshardHandle", "fully_shard", "register_fsdp_forward_method",
+    ]
+
+
+def test_policies_are_frozen():
+    with pytest.raises(AttributeError):
+        MixedPrecisionPolicy().param_dtype = torch.bfloat16  # type: ignore[misc]
+
+
+def test_no_process_group_is_a_clear_error():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"fully_shard\(Linear\): no default process group"):
+        fully_shard(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("shard_size", "factor", "force_sum", "expected"),
+    [
+        (4, None, False, GradReduction(None, ReduceOp.AVG, None)),
+        (1, None, False, GradReduction(None, ReduceOp.SUM, None)),
+        (4, 4.0, False, GradReduction(None, ReduceOp.AVG, None)),
+        (4, 1.0, False, GradReduction(1.0, ReduceOp.SUM, None)),
+        (4, None, True, GradReduction(None, ReduceOp.SUM, 4.0)),
+        (4, 8.0, True, GradReduction(None, ReduceOp.SUM, 8.0)),
+    ],
+)
+def test_grad_reduction(shard_size, factor, force_sum, expected):
+    assert grad_reduction(shard_size, factor, force_sum) == expected
