@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn, overload
@@ -130,7 +131,12 @@ class FSDPModule:
         self._not_yet("explicit backward prefetch")
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        self._not_yet("set_reduce_scatter_divide_factor (use set_gradient_divide_factor)")
+        """Deprecated name of `set_gradient_divide_factor`, as in torch."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            DeprecationWarning, stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
 
     def set_reduce_scatter_unused_params(self, enable: bool) -> None:
         self._not_yet("reduce-scattering unused parameters")

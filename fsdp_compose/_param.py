@@ -38,6 +38,7 @@ class ShardedParam:
         self.padded_shard = torch.zeros(
             self.layout.padded_shard_numel, dtype=param.dtype, device=device
         )
+        self._local_shape = local_shape
         local = self.padded_shard[: local_shape.numel()].view(local_shape)
         local.copy_(param.detach()[rows.start : rows.stop])
         self._spec = (mesh, (Shard(0),), self.layout.shape, contiguous_stride(self.layout.shape))
@@ -103,8 +104,7 @@ class ShardedParam:
 
     def accumulate_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient shard (flat, padded) to the sharded `.grad`."""
-        local_shape = self.sharded.to_local().shape
-        local = padded_grad_shard[: local_shape.numel()].view(local_shape)
+        local = padded_grad_shard[: self._local_shape.numel()].view(self._local_shape)
         if self.sharded.grad is None:
             self.sharded.grad = self._as_dtensor(local)
         else:

@@ -85,3 +85,28 @@ def test_two_forwards_reduce_each_unit_once(ranks):
     # then reduces once: one collective fewer per block than torch's fully_shard.
     assert ours == Counts(7, 3, 4)
     assert theirs.forward_all_gathers == 7 and theirs.reduce_scatters >= 4
+
+
+def check_embedding_not_unsharded_in_backward() -> tuple[Counts, float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    ref = Transformer(depth=1)
+    ours = copy.deepcopy(ref)
+    fully_shard(ours.tok_emb, mesh=mesh)  # embedding backward never reads the weight
+    fully_shard(ours, mesh=mesh)
+    ours.tok_emb.set_unshard_in_backward(False)
+    tokens = token_batch(0, 2 * world)
+    lm_loss(ref, tokens).backward()
+    with CollectiveCounter() as comms:
+        lm_loss(ours, tokens.chunk(world)[rank]).backward()
+    grad = ours.tok_emb.weight.grad.full_tensor()
+    torch.testing.assert_close(grad, ref.tok_emb.weight.grad)
+    return Counts(comms.counts[ALL_GATHER], 0, comms.counts[REDUCE_SCATTER])
+
+
+def test_unshard_in_backward_false_skips_the_backward_all_gather(ranks):
+    counts = ranks.run(check_embedding_not_unsharded_in_backward)[0]
+    # Forward gathers both units; backward gathers neither (the root kept its parameters,
+    # the embedding is not needed), and both reduce.
+    assert counts == Counts(2, 0, 2)

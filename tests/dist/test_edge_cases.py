@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -301,18 +302,22 @@ def test_registered_forward_method_gathers_parameters(ranks):
 def check_gradient_divide_factors() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     grads = []
-    for setting in ("default", "sum", "force_sum"):
+    for setting in ("default", "sum", "force_sum", "deprecated_sum"):
         _, ours, _ = _three_models(MLP)
         for module in ours.modules():
             if isinstance(module, FSDPModule) and setting == "sum":
                 module.set_gradient_divide_factor(1.0)
             if isinstance(module, FSDPModule) and setting == "force_sum":
                 module.set_force_sum_reduction_for_comms(True)
+            if isinstance(module, FSDPModule) and setting == "deprecated_sum":
+                with pytest.warns(DeprecationWarning, match="set_gradient_divide_factor"):
+                    module.set_reduce_scatter_divide_factor(1.0)
         mse_loss(ours, feature_batch(0, 2 * world).chunk(world)[rank]).backward()
         grads.append([p.grad.full_tensor() for p in ours.parameters()])
-    for default, summed, forced in zip(*grads):
+    for default, summed, forced, deprecated in zip(*grads):
         torch.testing.assert_close(summed, default * world)
         torch.testing.assert_close(forced, default)
+        assert torch.equal(deprecated, summed)
 
 
 def test_gradient_divide_factor_and_forced_sum(ranks):
