@@ -20,21 +20,29 @@ class GradReduction(NamedTuple):
 
 
 def grad_reduction(
-    shard_size: int, divide_factor: float | None, force_sum: bool
+    shard_size: int, dtype: torch.dtype, divide_factor: float | None, force_sum: bool
 ) -> GradReduction:
     """The reduction that divides summed gradients by `divide_factor` (default: shard_size).
 
-    The backend's own AVG is cheapest; a custom factor is a pre-scaled SUM (the same math
-    as ReduceOp.PREMUL_SUM, which gloo lacks); `force_sum` keeps the wire op a plain SUM and
-    divides afterwards, for backends or tools that only understand SUM.
+    The backend's own AVG is cheapest; a custom factor is a pre-scaled SUM (the math of
+    ReduceOp.PREMUL_SUM, which gloo lacks); `force_sum` keeps the wire op a plain SUM and
+    divides afterwards. In float16, whose range is narrow, the division is split around the
+    SUM (about sqrt(factor) before, the rest after) so neither the sum overflows nor the
+    pre-scaled gradients underflow. The same choices as torch's fully_shard.
     """
     factor = float(shard_size) if divide_factor is None else float(divide_factor)
-    if force_sum:
+    if dtype in (torch.float32, torch.bfloat16) and not force_sum:
+        if factor == shard_size:
+            # A group of one has nothing to average; some backends mishandle AVG there.
+            return GradReduction(None, ReduceOp.SUM if shard_size == 1 else ReduceOp.AVG, None)
+        return GradReduction(1.0 / factor, ReduceOp.SUM, None)
+    if dtype in (torch.float32, torch.bfloat16):
         return GradReduction(None, ReduceOp.SUM, factor)
-    if factor == shard_size:
-        # A group of one has nothing to average; some backends mishandle AVG there.
-        return GradReduction(None, ReduceOp.SUM if shard_size == 1 else ReduceOp.AVG, None)
-    return GradReduction(1.0 / factor, ReduceOp.SUM, None)
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    post = factor / pre
+    return GradReduction(1.0 / pre if pre != 1 else None, ReduceOp.SUM, post if post != 1 else None)
 
 
 def all_gather(

@@ -224,11 +224,15 @@ def fully_shard(
     _check_mesh(name, mesh)
     device = _mesh_device(mesh)
     collected = _collect_params(modules, name, set(ignored_params or ()))
-    _check_params(name, collected, device)
+    _check_params(name, collected, device, mp_policy)
 
-    params = [ShardedParam(fqn, p, owners, mesh, device) for fqn, p, owners in collected]
+    params = [
+        ShardedParam(fqn, p, owners, mesh, device, mp_policy) for fqn, p, owners in collected
+    ]
     _move_buffers(modules, device)
-    state = UnitState(modules, Unit(params, mesh), reshard_after_forward, label=name)
+    state = UnitState(
+        modules, Unit(params, mesh), reshard_after_forward, mp_policy=mp_policy, label=name
+    )
     state.original_params = {id(p): weakref.ref(p) for _, p, _ in collected}
     for param in params:
         setattr(param.sharded, _SHARDED_MARK, True)
@@ -252,12 +256,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def forward_method(*args: Any, **kwargs: Any) -> Any:
-        new = state.pre_forward(module, args, kwargs)  # type: ignore[arg-type]
-        if new is not None:
-            args, kwargs = new
+        args, kwargs = state.pre_forward(module, args, kwargs)  # type: ignore[arg-type]
         output = method(*args, **kwargs)
-        hooked = state.post_forward(module, args, output)  # type: ignore[arg-type]
-        return output if hooked is None else hooked
+        return state.post_forward(module, args, output)  # type: ignore[arg-type]
 
     setattr(module, method_name, forward_method)
 
@@ -304,11 +305,14 @@ def _check_options(
             f"fully_shard({name}): mp_policy must be fsdp_compose.MixedPrecisionPolicy, "
             f"got {type(mp_policy).__module__}.{type(mp_policy).__name__}"
         )
-    if mp_policy != MixedPrecisionPolicy():
-        raise NotImplementedError(
-            f"fully_shard({name}): mixed precision ({mp_policy}) is not supported yet; "
-            "use the default MixedPrecisionPolicy()."
-        )
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(
+                f"fully_shard({name}): MixedPrecisionPolicy.{field}={dtype!r} is not a "
+                "floating-point torch.dtype; use e.g. torch.bfloat16, or None to keep the "
+                "parameters' dtype."
+            )
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
             f"fully_shard({name}): offload_policy must be fsdp_compose.OffloadPolicy or "
@@ -401,6 +405,7 @@ def _check_params(
     name: str,
     collected: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
     device: torch.device,
+    mp_policy: MixedPrecisionPolicy,
 ) -> None:
     dtypes: dict[torch.dtype, str] = {}
     for fqn, param, _ in collected:
@@ -434,11 +439,12 @@ def _check_params(
                 "the module there first."
             )
         dtypes.setdefault(param.dtype, fqn)
-    if len(dtypes) > 1:
+    if len(dtypes) > 1 and mp_policy.param_dtype is None:
         listing = ", ".join(f"{fqn!r} is {dtype}" for dtype, fqn in dtypes.items())
         raise NotImplementedError(
             f"fully_shard({name}): one unit's parameters must share a dtype ({listing}). "
-            "Annotate the differently typed submodules as units of their own."
+            "Annotate the differently typed submodules as units of their own, or gather them "
+            "all in one dtype with MixedPrecisionPolicy(param_dtype=...)."
         )
 
 

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
+from ._policies import MixedPrecisionPolicy
 from ._unit import Unit
 
 STATE_ATTR = "_fsdp_compose_state"
@@ -65,6 +66,7 @@ class UnitState:
     modules: list[nn.Module]
     unit: Unit
     reshard_after_forward: bool | None  # None: decided at lazy init (False for the root)
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
     requires_gradient_sync: bool = True
@@ -133,30 +135,39 @@ class UnitState:
 
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         self.lazy_init()
         if self.phase in _IN_BACKWARD:
             # Activation checkpointing re-runs forward inside backward: only make sure the
             # parameters are there; the pre-backward hook owns this unit's schedule.
             self._unshard()
-            return None
+            return self._cast_inputs(args, kwargs)
         if self.phase is Phase.IDLE:
             self._modules_to_run = set(self.modules)
             if self.ctx.forward_root is None:
                 self.ctx.forward_root = self
         self._enter(Phase.FORWARD)
         self._unshard()
+        args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
-            return self._register_post_backward(args, kwargs)
-        return None
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _cast_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not self.mp_policy.cast_forward_inputs or self.mp_policy.param_dtype is None:
+            return args, kwargs
+        return _cast_floating((args, kwargs), self.mp_policy.param_dtype)
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.phase in _IN_BACKWARD:
-            return None  # recomputation: see pre_forward
+            return self._cast_output(output)  # recomputation: see pre_forward
         self._modules_to_run.discard(module)
         self._register_pre_backward(output)
+        output = self._cast_output(output)
         if self._modules_to_run:
-            return None  # a list unit: wait for its other modules
+            return output  # a list unit: wait for its other modules
         self._finish_forward()
         if self.ctx.forward_root is self:
             self.ctx.forward_root = None
@@ -167,7 +178,12 @@ class UnitState:
                     state._modules_to_run.clear()
                     state._register_pre_backward(output)
                     state._finish_forward()
-        return None
+        return output
+
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp_policy.output_dtype is None:
+            return output
+        return _cast_floating(output, self.mp_policy.output_dtype)
 
     def _finish_forward(self) -> None:
         self._enter(Phase.IDLE)
@@ -180,11 +196,11 @@ class UnitState:
 
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         flat, spec = tree_flatten((args, kwargs))
         where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not where:
-            return None  # the end-of-backward callback reduces this unit
+            return args, kwargs  # the end-of-backward callback reduces this unit
         outs = _PostBackward.apply(self, *(flat[i] for i in where))
         for i, out in zip(where, outs):
             flat[i] = out
@@ -218,6 +234,8 @@ class UnitState:
     def _reduce_and_reshard(self) -> None:
         if self.requires_gradient_sync:
             self.unit.reduce_grads()
+        else:
+            self.unit.stash_grads()
         if self.reshard_after_backward:
             self.unit.reshard()
 
@@ -252,6 +270,12 @@ class UnitState:
         if self.ctx is not None:
             self.ctx.forward_root = None
             self.ctx.final_callback_queued = False
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree
+    )
 
 
 class _PostBackward(torch.autograd.Function):

@@ -7,17 +7,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ._policies import MixedPrecisionPolicy
 from ._sharding import ShardLayout, chunk_range, contiguous_stride, shard_layout
 
 
 class ShardedParam:
     """A parameter sharded on dim 0; registered on its module(s) as one form or the other.
 
-    `sharded` is the `nn.Parameter(DTensor)` the optimizer steps on. Its local tensor is a
-    view of `padded_shard`, whose trailing padding stays zero, so the all-gather reads the
-    padded shard directly. `unsharded` is a plain `nn.Parameter` that autograd sees during
-    forward and backward; it is a view of `_unsharded_buffer` (row r: rank r's padded
-    shard), whose storage is allocated only while the unit is unsharded.
+    `sharded` is the `nn.Parameter(DTensor)` the optimizer steps on, in the original dtype.
+    Its local tensor is a view of `padded_shard`, whose trailing padding stays zero, so the
+    all-gather reads the padded shard directly. `unsharded` is a plain `nn.Parameter` in
+    `param_dtype` that autograd sees during forward and backward; it is a view of
+    `_unsharded_buffer` (row r: rank r's padded shard), whose storage is allocated only
+    while the unit is unsharded. Gradients are reduced in `reduce_dtype`.
     """
 
     def __init__(
@@ -27,8 +29,14 @@ class ShardedParam:
         owners: list[tuple[nn.Module, str]],
         mesh: DeviceMesh,
         device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.fqn = fqn
+        self.param_dtype = mp_policy.param_dtype or param.dtype
+        self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
+        # Gradients of backwards without reduction, summed in reduce_dtype when that is
+        # wider than param_dtype (summing in place, autograd would keep param_dtype).
+        self._accumulated_grad: torch.Tensor | None = None
         self.owners = owners  # every (module, attribute) the parameter is registered as
         shard_size, rank = mesh.size(), mesh.get_local_rank()
         self.layout: ShardLayout = shard_layout(param.shape, shard_size)
@@ -45,7 +53,7 @@ class ShardedParam:
         self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=param.requires_grad)
 
         self._unsharded_buffer = torch.empty(
-            shard_size * self.layout.padded_shard_numel, dtype=param.dtype, device=device
+            shard_size * self.layout.padded_shard_numel, dtype=self.param_dtype, device=device
         )
         # Note [version counter]: the all-gather writes through `.data`, an alias with its
         # own version counter. Writing through the buffer itself would bump the counter
@@ -89,9 +97,31 @@ class ShardedParam:
             module._parameters[name] = self.sharded
         self._free_unsharded()
 
-    def write_grad_rows(self, rows: torch.Tensor) -> None:
-        """Copy the unsharded gradient into `rows` (shard_size, padded_shard_numel), padded."""
+    @property
+    def has_grad(self) -> bool:
+        return self.unsharded.grad is not None or self._accumulated_grad is not None
+
+    def stash_grad(self) -> None:
+        """Keep this backward's gradient for a later reduction, summed in reduce_dtype."""
         grad = self.unsharded.grad
+        if grad is None or grad.dtype == self.reduce_dtype:
+            return  # autograd keeps accumulating into .grad in place
+        self.unsharded.grad = None
+        if self._accumulated_grad is None:
+            self._accumulated_grad = grad.to(self.reduce_dtype)
+        else:
+            self._accumulated_grad.add_(grad)
+
+    def take_grad(self) -> torch.Tensor | None:
+        """The unsharded gradient summed since the last reduction; clears it."""
+        grad, accumulated = self.unsharded.grad, self._accumulated_grad
+        self.unsharded.grad = self._accumulated_grad = None
+        if accumulated is None:
+            return grad
+        return accumulated if grad is None else accumulated.add_(grad)
+
+    def write_grad_rows(self, grad: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copy the unsharded `grad` into `rows` (shard_size, padded_shard_numel), padded."""
         padded_rows, row_numel = self.layout.padded_rows, self.layout.row_numel
         blocks = rows.view(rows.shape[0], padded_rows, row_numel)  # [rank, row, element]
         grad_rows = grad.reshape(-1, row_numel)
@@ -105,6 +135,7 @@ class ShardedParam:
     def accumulate_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient shard (flat, padded) to the sharded `.grad`."""
         local = padded_grad_shard[: self._local_shape.numel()].view(self._local_shape)
+        local = local.to(self.padded_shard.dtype)
         if self.sharded.grad is None:
             self.sharded.grad = self._as_dtensor(local)
         else:

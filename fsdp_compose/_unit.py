@@ -15,6 +15,8 @@ class Unit:
 
     def __init__(self, params: list[ShardedParam], mesh: DeviceMesh) -> None:
         self.params = params
+        self.param_dtype = params[0].param_dtype if params else None
+        self.reduce_dtype = params[0].reduce_dtype if params else None
         self.mesh = mesh
         self.group = mesh.get_group()
         self.shard_size = mesh.size()
@@ -29,6 +31,8 @@ class Unit:
         if self.is_unsharded or self._pending_gather is not None or not self.params:
             return
         shards = torch.cat([p.padded_shard for p in self.params])  # copy-in: one flat send
+        if shards.dtype != self.param_dtype:
+            shards = shards.to(self.param_dtype)  # mixed precision: gather what computes
         gathered = shards.new_empty(self.shard_size * shards.numel())  # row r: rank r's shards
         work = all_gather(gathered, shards, self.group, async_op)
         self._pending_gather = (gathered, work)
@@ -63,7 +67,12 @@ class Unit:
         self.is_unsharded = False
 
     def has_unsharded_grads(self) -> bool:
-        return any(p.unsharded.grad is not None for p in self.params)
+        return any(p.has_grad for p in self.params)
+
+    def stash_grads(self) -> None:
+        """Keep this backward's unsharded gradients for the next reduction."""
+        for p in self.params:
+            p.stash_grad()
 
     def reduce_grads(self) -> None:
         """Average the unsharded gradients over the mesh into the sharded `.grad`s.
@@ -72,21 +81,20 @@ class Unit:
         `.grad is None` as in single-process training; which ones did must agree across
         ranks, as it does whenever every rank runs the same code path.
         """
-        with_grad = [p for p in self.params if p.unsharded.grad is not None]
+        with_grad = [(p, g) for p in self.params if (g := p.take_grad()) is not None]
         if not with_grad:
             return
-        sizes = [p.layout.padded_shard_numel for p in with_grad]
-        dtype = with_grad[0].unsharded.grad.dtype
+        sizes = [p.layout.padded_shard_numel for p, _ in with_grad]
         grads = torch.empty(  # row r: what rank r keeps, param after param
-            (self.shard_size, sum(sizes)), dtype=dtype, device=with_grad[0].padded_shard.device
+            (self.shard_size, sum(sizes)), dtype=self.reduce_dtype, device=with_grad[0][1].device
         )
-        for p, rows in zip(with_grad, grads.split(sizes, dim=1)):
-            p.write_grad_rows(rows)
-            p.unsharded.grad = None
+        for (p, grad), rows in zip(with_grad, grads.split(sizes, dim=1)):
+            p.write_grad_rows(grad, rows)
         reduced = grads.new_empty(sum(sizes))
         reduction = grad_reduction(
-            self.shard_size, self.gradient_divide_factor, self.force_sum_reduction
+            self.shard_size, self.reduce_dtype, self.gradient_divide_factor,
+            self.force_sum_reduction,
         )
         reduce_scatter(reduced, grads.view(-1), self.group, reduction)
-        for p, shard in zip(with_grad, reduced.split(sizes)):
+        for (p, _), shard in zip(with_grad, reduced.split(sizes)):
             p.accumulate_grad(shard)

@@ -4,6 +4,7 @@ data (the reference), fsdp_compose on each rank's share, torch's fully_shard lik
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -11,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from fsdp_compose import fully_shard
+from fsdp_compose import MixedPrecisionPolicy, fully_shard
 
 Shard = Callable[..., object]  # fully_shard or torch's, with the same signature
 
@@ -30,6 +32,14 @@ def per_block(model: nn.Module, shard: Shard, **kwargs: object) -> None:
     shard(model, **kwargs)
 
 
+def torch_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
+    """The same options for torch's fully_shard, whose policies are its own classes."""
+    policy = kwargs.get("mp_policy")
+    if isinstance(policy, MixedPrecisionPolicy):
+        kwargs = {**kwargs, "mp_policy": TorchMixedPrecisionPolicy(**dataclasses.asdict(policy))}
+    return kwargs
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
 
@@ -44,16 +54,22 @@ def train_and_compare(
     make_batch: Callable[[int, int], torch.Tensor],
     steps: int = 3,
     wrap: Callable[[nn.Module, Shard], None] = per_block,
+    reference_tolerance: dict[str, float] | None = None,
     **shard_kwargs: object,
 ) -> ParityErrors:
-    """AdamW steps three ways; assert equal names, losses, parameters and gradients."""
+    """AdamW steps three ways; assert equal names, losses, parameters and gradients.
+
+    `reference_tolerance`: assert_close's rtol/atol against the float32 single-process
+    reference (its defaults when None), for runs that compute in lower precision.
+    """
+    tolerance = reference_tolerance or {}
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)  # same init on every rank
     ref = make_model()
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
-    wrap(ours, lambda m, **kw: fully_shard(m, mesh=mesh, **shard_kwargs, **kw))
-    wrap(theirs, lambda m, **kw: torch_fully_shard(m, mesh=mesh, **shard_kwargs, **kw))
+    wrap(ours, lambda m, **kw: fully_shard(m, mesh=mesh, **{**shard_kwargs, **kw}))
+    wrap(theirs, lambda m, **kw: torch_fully_shard(m, mesh=mesh, **torch_kwargs({**shard_kwargs, **kw})))
     models = (ref, ours, theirs)
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in models]
     vs_ref = vs_torch = 0.0
@@ -66,7 +82,10 @@ def train_and_compare(
             loss.backward()
         global_loss = our_loss.detach().clone()
         dist.all_reduce(global_loss)
-        torch.testing.assert_close(global_loss / world, ref_loss.detach(), msg=lambda m: f"loss {step}: {m}")
+        torch.testing.assert_close(
+            global_loss / world, ref_loss.detach().to(global_loss.dtype),
+            msg=lambda m: f"loss {step}: {m}", **tolerance,
+        )
         vs_torch = max(vs_torch, max_diff(our_loss, their_loss))
         named = [dict(m.named_parameters()) for m in models]
         assert list(named[1]) == list(named[0]) == list(named[2]), "parameter names changed"
@@ -74,13 +93,17 @@ def train_and_compare(
             ref_p, their_p = named[0][fqn], named[2][fqn]
             assert (p.grad is None) == (ref_p.grad is None) == (their_p.grad is None), fqn
             if p.grad is not None:
-                torch.testing.assert_close(full(p.grad), ref_p.grad, msg=lambda m: f"grad {fqn} {step}: {m}")
+                torch.testing.assert_close(
+                    full(p.grad), ref_p.grad, msg=lambda m: f"grad {fqn} {step}: {m}", **tolerance
+                )
                 vs_torch = max(vs_torch, max_diff(full(p.grad), full(their_p.grad)))
         for optim in optims:
             optim.step()
             optim.zero_grad()
         for fqn, p in named[1].items():
-            torch.testing.assert_close(full(p), named[0][fqn], msg=lambda m: f"param {fqn} {step}: {m}")
+            torch.testing.assert_close(
+                full(p), named[0][fqn], msg=lambda m: f"param {fqn} {step}: {m}", **tolerance
+            )
             vs_ref = max(vs_ref, max_diff(full(p), named[0][fqn]))
             vs_torch = max(vs_torch, max_diff(full(p), full(named[2][fqn])))
     return ParityErrors(vs_ref, vs_torch)

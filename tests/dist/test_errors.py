@@ -47,8 +47,8 @@ def check_misuse_errors() -> None:
             fully_shard, MLP(), reshard_after_forward="yes")
     _raises(NotImplementedError, "reshard_after_forward=2", fully_shard, MLP(),
             reshard_after_forward=2)
-    _raises(NotImplementedError, "mixed precision", fully_shard, MLP(),
-            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    _raises(ValueError, r"MixedPrecisionPolicy.param_dtype=torch.int8 is not a floating-point",
+            fully_shard, MLP(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
     _raises(TypeError, "mp_policy must be fsdp_compose.MixedPrecisionPolicy", fully_shard,
             MLP(), mp_policy=TorchMixedPrecisionPolicy())
     _raises(NotImplementedError, "CPUOffloadPolicy", fully_shard, MLP(),

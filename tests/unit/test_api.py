@@ -51,15 +51,19 @@ def test_no_process_group_is_a_clear_error():
 
 
 @pytest.mark.parametrize(
-    ("shard_size", "factor", "force_sum", "expected"),
+    ("shard_size", "dtype", "factor", "force_sum", "expected"),
     [
-        (4, None, False, GradReduction(None, ReduceOp.AVG, None)),
-        (1, None, False, GradReduction(None, ReduceOp.SUM, None)),
-        (4, 4.0, False, GradReduction(None, ReduceOp.AVG, None)),
-        (4, 1.0, False, GradReduction(1.0, ReduceOp.SUM, None)),
-        (4, None, True, GradReduction(None, ReduceOp.SUM, 4.0)),
-        (4, 8.0, True, GradReduction(None, ReduceOp.SUM, 8.0)),
+        (4, torch.float32, None, False, GradReduction(None, ReduceOp.AVG, None)),
+        (1, torch.float32, None, False, GradReduction(None, ReduceOp.SUM, None)),
+        (4, torch.bfloat16, 4.0, False, GradReduction(None, ReduceOp.AVG, None)),
+        (4, torch.float32, 1.0, False, GradReduction(1.0, ReduceOp.SUM, None)),
+        (4, torch.float32, None, True, GradReduction(None, ReduceOp.SUM, 4.0)),
+        (4, torch.float32, 8.0, True, GradReduction(None, ReduceOp.SUM, 8.0)),
+        # float16: about sqrt(factor) before the sum, the rest after
+        (4, torch.float16, None, False, GradReduction(0.5, ReduceOp.SUM, 2.0)),
+        (8, torch.float16, None, False, GradReduction(0.25, ReduceOp.SUM, 2.0)),
+        (1, torch.float16, None, False, GradReduction(None, ReduceOp.SUM, None)),
     ],
 )
-def test_grad_reduction(shard_size, factor, force_sum, expected):
-    assert grad_reduction(shard_size, factor, force_sum) == expected
+def test_grad_reduction(shard_size, dtype, factor, force_sum, expected):
+    assert grad_reduction(shard_size, dtype, factor, force_sum) == expected
