@@ -1,5 +1,6 @@
 """Fully sharded data parallel as a module annotation. Public: the names in __all__."""
 
+from ._clip import clip_grad_norm_
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -9,6 +10,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "clip_grad_norm_",
     "fully_shard",
     "register_fsdp_forward_method",
 ]

@@ -61,3 +61,8 @@ def reduce_scatter(
     dist.reduce_scatter_single(output, input, op=reduction.op, group=group)
     if reduction.post_divide is not None:
         output.div_(reduction.post_divide)
+
+
+def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType, group: ProcessGroup) -> None:
+    """Reduce `tensor` in place across `group`."""
+    dist.all_reduce(tensor, op=op, group=group)

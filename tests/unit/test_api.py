@@ -35,7 +35,7 @@ def test_fsdp_module_has_every_public_method_of_torch():
 def test_public_names():
     assert sorted(fsdp_compose.__all__) == [
         "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-        "UnshardHandle", "fully_shard", "register_fsdp_forward_method",
+        "UnshardHandle", "clip_grad_norm_", "fully_shard", "register_fsdp_forward_method",
     ]
 
 
