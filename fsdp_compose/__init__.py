@@ -3,6 +3,7 @@
 from ._clip import clip_grad_norm_
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._replicate import replicate
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -13,4 +14,5 @@ __all__ = [
     "clip_grad_norm_",
     "fully_shard",
     "register_fsdp_forward_method",
+    "replicate",
 ]

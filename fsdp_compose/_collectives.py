@@ -12,17 +12,21 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 
 class GradReduction(NamedTuple):
-    """How a unit's gradients are averaged: scale before, reduce with `op`, scale after."""
+    """How a unit's gradients are averaged: scale before, reduce-scatter with `op` in the
+    shard group, all-reduce with `all_reduce_op` across replicas (HSDP), divide after."""
 
     pre_scale: float | None
     op: ReduceOp.RedOpType
+    all_reduce_op: ReduceOp.RedOpType
     post_divide: float | None
 
 
 def grad_reduction(
-    shard_size: int, dtype: torch.dtype, divide_factor: float | None, force_sum: bool
+    shard_size: int, replicate_size: int, dtype: torch.dtype, divide_factor: float | None,
+    force_sum: bool,
 ) -> GradReduction:
-    """The reduction that divides summed gradients by `divide_factor` (default: shard_size).
+    """The reduction that divides summed gradients by `divide_factor` (default: the number
+    of data-parallel ranks, shard_size * replicate_size).
 
     The backend's own AVG is cheapest; a custom factor is a pre-scaled SUM (the math of
     ReduceOp.PREMUL_SUM, which gloo lacks); `force_sum` keeps the wire op a plain SUM and
@@ -30,37 +34,47 @@ def grad_reduction(
     SUM (about sqrt(factor) before, the rest after) so neither the sum overflows nor the
     pre-scaled gradients underflow. The same choices as torch's fully_shard.
     """
-    factor = float(shard_size) if divide_factor is None else float(divide_factor)
+    ranks = shard_size * replicate_size
+    factor = float(ranks) if divide_factor is None else float(divide_factor)
+    sum_ = ReduceOp.SUM
     if dtype in (torch.float32, torch.bfloat16) and not force_sum:
-        if factor == shard_size:
+        if divide_factor is None:
             # A group of one has nothing to average; some backends mishandle AVG there.
-            return GradReduction(None, ReduceOp.SUM if shard_size == 1 else ReduceOp.AVG, None)
-        return GradReduction(1.0 / factor, ReduceOp.SUM, None)
+            op = sum_ if ranks == 1 else ReduceOp.AVG
+            return GradReduction(None, op, op, None)
+        if factor == shard_size:
+            return GradReduction(None, ReduceOp.AVG, sum_, None)
+        return GradReduction(1.0 / factor, sum_, sum_, None)
     if dtype in (torch.float32, torch.bfloat16):
-        return GradReduction(None, ReduceOp.SUM, factor)
+        return GradReduction(None, sum_, sum_, factor)
     pre = 1
     while factor % pre == 0 and factor / pre > pre:
         pre *= 2
     post = factor / pre
-    return GradReduction(1.0 / pre if pre != 1 else None, ReduceOp.SUM, post if post != 1 else None)
+    return GradReduction(1.0 / pre if pre != 1 else None, sum_, sum_, post if post != 1 else None)
 
 
 def all_gather(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool
 ) -> dist.Work | None:
     """Gather every rank's equal-sized flat `shard` into `output`, rank after rank."""
+    if group.size() == 1:
+        output.copy_(shard)  # replicate-only units and single-rank meshes send nothing
+        return None
     return dist.all_gather_single(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, reduction: GradReduction
 ) -> None:
-    """Reduce `input` (row r: the values for rank r) across ranks; rank r keeps row r."""
+    """Reduce `input` (row r: the values for rank r) across `group`; rank r keeps row r.
+    Applies the pre-scale; the post-divide is the caller's, after any all-reduce."""
     if reduction.pre_scale is not None:
         input.mul_(reduction.pre_scale)
+    if group.size() == 1:
+        output.copy_(input)
+        return
     dist.reduce_scatter_single(output, input, op=reduction.op, group=group)
-    if reduction.post_divide is not None:
-        output.div_(reduction.post_divide)
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType, group: ProcessGroup) -> None:

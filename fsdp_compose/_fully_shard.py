@@ -88,9 +88,11 @@ class FSDPModule:
             state.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP only: whether to all-reduce across replicas. No effect on a 1-D mesh."""
+        """HSDP only: with False, backward reduce-scatters but keeps the result for the next
+        backward that all-reduces across replicas (gradient accumulation with less
+        communication). No effect on a 1-D mesh."""
         for state in self._states(recurse):
-            state.requires_all_reduce = requires_all_reduce
+            state.unit.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free the unsharded parameters after forward (gathered again in backward)."""
@@ -220,7 +222,7 @@ def fully_shard(
     name = ", ".join(type(m).__name__ for m in modules)
     _check_options(name, reshard_after_forward, shard_placement_fn, mp_policy,
                    offload_policy, dp_mesh_dims)
-    mesh = mesh if mesh is not None else _default_mesh(name)
+    mesh = mesh if mesh is not None else default_mesh(name)
     _check_mesh(name, mesh)
     device = _mesh_device(mesh)
     collected = _collect_params(modules, name, set(ignored_params or ()))
@@ -335,7 +337,8 @@ def _check_options(
         )
 
 
-def _default_mesh(name: str) -> DeviceMesh:
+def default_mesh(name: str) -> DeviceMesh:
+    """A 1-D mesh over every rank of the default process group, on the accelerator if any."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"fully_shard({name}): no default process group. Call "
@@ -350,10 +353,15 @@ def _default_mesh(name: str) -> DeviceMesh:
 def _check_mesh(name: str, mesh: object) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard({name}): mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"fully_shard({name}): a {mesh.ndim}-D mesh (HSDP) is not supported yet; "
-            "pass a 1-D mesh."
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard({name}): the mesh has {mesh.ndim} dimensions; pass a 1-D mesh "
+            "(full sharding) or a 2-D (replicate, shard) mesh (HSDP), e.g. mesh['dp']."
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"fully_shard({name}): a 2-D mesh needs names for its (replicate, shard) "
+            "dimensions: init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))."
         )
 
 

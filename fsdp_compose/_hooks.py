@@ -70,7 +70,6 @@ class UnitState:
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
     requires_gradient_sync: bool = True
-    requires_all_reduce: bool = True
     label: str = ""
     phase: Phase = Phase.IDLE
     ctx: IterContext | None = None

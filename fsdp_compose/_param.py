@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._policies import MixedPrecisionPolicy
 from ._sharding import ShardLayout, chunk_range, contiguous_stride, shard_layout
@@ -38,7 +38,9 @@ class ShardedParam:
         # wider than param_dtype (summing in place, autograd would keep param_dtype).
         self._accumulated_grad: torch.Tensor | None = None
         self.owners = owners  # every (module, attribute) the parameter is registered as
-        shard_size, rank = mesh.size(), mesh.get_local_rank()
+        # The last mesh dim shards; a leading one (HSDP) replicates.
+        shard_size, rank = mesh.size(-1), mesh.get_local_rank(mesh.ndim - 1)
+        placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(0),)
         self.layout: ShardLayout = shard_layout(param.shape, shard_size)
         local_shape = self.layout.local_shape(rank)
         rows = chunk_range(param.shape[0], shard_size, rank)
@@ -49,7 +51,7 @@ class ShardedParam:
         self._local_shape = local_shape
         local = self.padded_shard[: local_shape.numel()].view(local_shape)
         local.copy_(param.detach()[rows.start : rows.stop])
-        self._spec = (mesh, (Shard(0),), self.layout.shape, contiguous_stride(self.layout.shape))
+        self._spec = (mesh, placements, self.layout.shape, contiguous_stride(self.layout.shape))
         self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=param.requires_grad)
 
         self._unsharded_buffer = torch.empty(

@@ -5,24 +5,33 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._collectives import all_gather, grad_reduction, reduce_scatter
+from ._collectives import all_gather, all_reduce, grad_reduction, reduce_scatter
 from ._param import ShardedParam
 
 
 class Unit:
     """Unshards its parameters with one all-gather, reduces their gradients with one
-    reduce-scatter. Knows nothing of forward or backward: see _hooks.py for when."""
+    reduce-scatter (and, for HSDP, one all-reduce across replicas). Knows nothing of
+    forward or backward: see _hooks.py for when.
+
+    On a 2-D mesh (replicate, shard) the last dimension shards and the first replicates.
+    """
 
     def __init__(self, params: list[ShardedParam], mesh: DeviceMesh) -> None:
         self.params = params
         self.param_dtype = params[0].param_dtype if params else None
         self.reduce_dtype = params[0].reduce_dtype if params else None
         self.mesh = mesh
-        self.group = mesh.get_group()
-        self.shard_size = mesh.size()
+        self.group = mesh.get_group(mesh.ndim - 1)
+        self.shard_size = mesh.size(-1)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.is_unsharded = False
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
+        self.requires_all_reduce = True
+        # HSDP without all-reduce: each parameter's reduce-scattered gradient shard, summed
+        # until a backward all-reduces again (gradient accumulation across replicas).
+        self._partial_grads: dict[ShardedParam, torch.Tensor] = {}
         self._gather_sizes = [p.layout.padded_shard_numel for p in params]
         self._pending_gather: tuple[torch.Tensor, torch.distributed.Work | None] | None = None
 
@@ -81,7 +90,11 @@ class Unit:
         `.grad is None` as in single-process training; which ones did must agree across
         ranks, as it does whenever every rank runs the same code path.
         """
-        with_grad = [(p, g) for p in self.params if (g := p.take_grad()) is not None]
+        with_grad = [
+            (p, g if g is not None else p.unsharded.new_zeros(p.layout.shape))
+            for p in self.params
+            if (g := p.take_grad()) is not None or p in self._partial_grads
+        ]
         if not with_grad:
             return
         sizes = [p.layout.padded_shard_numel for p, _ in with_grad]
@@ -91,10 +104,22 @@ class Unit:
         for (p, grad), rows in zip(with_grad, grads.split(sizes, dim=1)):
             p.write_grad_rows(grad, rows)
         reduced = grads.new_empty(sum(sizes))
+        replicas = self.replicate_group.size() if self.replicate_group is not None else 1
         reduction = grad_reduction(
-            self.shard_size, self.reduce_dtype, self.gradient_divide_factor,
+            self.shard_size, replicas, self.reduce_dtype, self.gradient_divide_factor,
             self.force_sum_reduction,
         )
         reduce_scatter(reduced, grads.view(-1), self.group, reduction)
-        for (p, _), shard in zip(with_grad, reduced.split(sizes)):
+        shards = [(p, shard) for (p, _), shard in zip(with_grad, reduced.split(sizes))]
+        if self.replicate_group is not None:
+            for p, shard in shards:
+                if (partial := self._partial_grads.pop(p, None)) is not None:
+                    shard.add_(partial)
+            if not self.requires_all_reduce:
+                self._partial_grads.update(shards)
+                return
+            all_reduce(reduced, reduction.all_reduce_op, self.replicate_group)
+        if reduction.post_divide is not None:
+            reduced.div_(reduction.post_divide)
+        for p, shard in shards:
             p.accumulate_grad(shard)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -36,7 +37,9 @@ def _serve(rank: int, world_size: int, init_file: str, tasks: Any, results: Any)
     while (task := tasks.get()) is not None:  # None means: shut down
         fn, kwargs = task
         try:
-            results.put((rank, None, fn(**kwargs)))
+            value = fn(**kwargs)
+            pickle.dumps(value)  # the queue would drop an unpicklable result silently
+            results.put((rank, None, value))
         except BaseException:
             results.put((rank, traceback.format_exc(), None))
     dist.destroy_process_group()

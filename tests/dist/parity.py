@@ -55,21 +55,28 @@ def train_and_compare(
     steps: int = 3,
     wrap: Callable[[nn.Module, Shard], None] = per_block,
     reference_tolerance: dict[str, float] | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
+    shard_fns: tuple[Shard, Shard] = (fully_shard, torch_fully_shard),
     **shard_kwargs: object,
 ) -> ParityErrors:
     """AdamW steps three ways; assert equal names, losses, parameters and gradients.
 
     `reference_tolerance`: assert_close's rtol/atol against the float32 single-process
     reference (its defaults when None), for runs that compute in lower precision.
+    `mesh_shape`: the mesh passed to every call (default: 1-D over all ranks); `wrap` may
+    pass another. `shard_fns`: ours and torch's annotation functions.
     """
     tolerance = reference_tolerance or {}
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    shape = mesh_shape or (world,)
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     torch.manual_seed(0)  # same init on every rank
     ref = make_model()
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
-    wrap(ours, lambda m, **kw: fully_shard(m, mesh=mesh, **{**shard_kwargs, **kw}))
-    wrap(theirs, lambda m, **kw: torch_fully_shard(m, mesh=mesh, **torch_kwargs({**shard_kwargs, **kw})))
+    ours_fn, theirs_fn = shard_fns
+    wrap(ours, lambda m, **kw: ours_fn(m, **{"mesh": mesh, **shard_kwargs, **kw}))
+    wrap(theirs, lambda m, **kw: theirs_fn(m, **torch_kwargs({"mesh": mesh, **shard_kwargs, **kw})))
     models = (ref, ours, theirs)
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in models]
     vs_ref = vs_torch = 0.0

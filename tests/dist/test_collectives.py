@@ -15,12 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsdp_compose import fully_shard
 from tests.models import Transformer, lm_loss, token_batch
 
-ALL_GATHER = torch.ops.c10d._allgather_base_
-REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_
+ALL_GATHER = "c10d::_allgather_base_"
+REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts the c10d ops dispatched while active. (CommDebugMode would do, but its module
+    """Counts the c10d ops dispatched while active, by name. (CommDebugMode would do, but its module
     tracker fails when a module runs twice before backward.)"""
 
     def __init__(self) -> None:
@@ -29,7 +29,7 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
-            self.counts[func._overloadpacket] += 1
+            self.counts[func._schema.name] += 1
         return func(*args, **(kwargs or {}))
 
 

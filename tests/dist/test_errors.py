@@ -41,8 +41,10 @@ def check_misuse_errors() -> None:
             fully_shard, torch.ones(2))
     _raises(ValueError, "non-empty list", fully_shard, [])
     _raises(TypeError, "mesh must be a DeviceMesh, got str", fully_shard, MLP(), mesh="cpu")
-    _raises(NotImplementedError, "a 2-D mesh", fully_shard, MLP(),
-            mesh=init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("r", "s")))
+    _raises(ValueError, "the mesh has 3 dimensions; pass a 1-D mesh", fully_shard, MLP(),
+            mesh=init_device_mesh("cpu", (1, 1, dist.get_world_size())))
+    _raises(ValueError, "a 2-D mesh needs names", fully_shard, MLP(),
+            mesh=init_device_mesh("cpu", (1, dist.get_world_size())))
     _raises(TypeError, "reshard_after_forward must be a bool or None, got str 'yes'",
             fully_shard, MLP(), reshard_after_forward="yes")
     _raises(NotImplementedError, "reshard_after_forward=2", fully_shard, MLP(),

@@ -15,6 +15,8 @@ import fsdp_compose
 from fsdp_compose import FSDPModule, MixedPrecisionPolicy, fully_shard
 from fsdp_compose._collectives import GradReduction, grad_reduction
 
+AVG, SUM = ReduceOp.AVG, ReduceOp.SUM
+
 
 def test_fully_shard_signature_matches_torch():
     ours = inspect.signature(fully_shard).parameters
@@ -35,7 +37,7 @@ def test_fsdp_module_has_every_public_method_of_torch():
 def test_public_names():
     assert sorted(fsdp_compose.__all__) == [
         "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-        "UnshardHandle", "clip_grad_norm_", "fully_shard", "register_fsdp_forward_method",
+        "UnshardHandle", "clip_grad_norm_", "fully_shard", "register_fsdp_forward_method", "replicate",
     ]
 
 
@@ -51,19 +53,21 @@ def test_no_process_group_is_a_clear_error():
 
 
 @pytest.mark.parametrize(
-    ("shard_size", "dtype", "factor", "force_sum", "expected"),
+    ("sizes", "dtype", "factor", "force_sum", "expected"),
     [
-        (4, torch.float32, None, False, GradReduction(None, ReduceOp.AVG, None)),
-        (1, torch.float32, None, False, GradReduction(None, ReduceOp.SUM, None)),
-        (4, torch.bfloat16, 4.0, False, GradReduction(None, ReduceOp.AVG, None)),
-        (4, torch.float32, 1.0, False, GradReduction(1.0, ReduceOp.SUM, None)),
-        (4, torch.float32, None, True, GradReduction(None, ReduceOp.SUM, 4.0)),
-        (4, torch.float32, 8.0, True, GradReduction(None, ReduceOp.SUM, 8.0)),
+        ((4, 1), torch.float32, None, False, (None, AVG, AVG, None)),
+        ((1, 1), torch.float32, None, False, (None, SUM, SUM, None)),
+        ((2, 2), torch.float32, None, False, (None, AVG, AVG, None)),
+        ((1, 4), torch.bfloat16, None, False, (None, AVG, AVG, None)),
+        ((4, 1), torch.bfloat16, 4.0, False, (None, AVG, SUM, None)),
+        ((4, 1), torch.float32, 1.0, False, (1.0, SUM, SUM, None)),
+        ((4, 1), torch.float32, None, True, (None, SUM, SUM, 4.0)),
+        ((2, 2), torch.float32, 8.0, True, (None, SUM, SUM, 8.0)),
         # float16: about sqrt(factor) before the sum, the rest after
-        (4, torch.float16, None, False, GradReduction(0.5, ReduceOp.SUM, 2.0)),
-        (8, torch.float16, None, False, GradReduction(0.25, ReduceOp.SUM, 2.0)),
-        (1, torch.float16, None, False, GradReduction(None, ReduceOp.SUM, None)),
+        ((4, 1), torch.float16, None, False, (0.5, SUM, SUM, 2.0)),
+        ((4, 2), torch.float16, None, False, (0.25, SUM, SUM, 2.0)),
+        ((1, 1), torch.float16, None, False, (None, SUM, SUM, None)),
     ],
 )
-def test_grad_reduction(shard_size, dtype, factor, force_sum, expected):
-    assert grad_reduction(shard_size, dtype, factor, force_sum) == expected
+def test_grad_reduction(sizes, dtype, factor, force_sum, expected):
+    assert grad_reduction(*sizes, dtype, factor, force_sum) == GradReduction(*expected)

@@ -1,0 +1,149 @@
+"""Sharding strategies: HSDP on a 2-D mesh and replicate-only units, alone and mixed."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import Replicate, Shard
+
+from fsdp_compose import fully_shard, replicate
+from tests.dist.parity import train_and_compare
+from tests.dist.test_collectives import CollectiveCounter
+from tests.models import MLP, Transformer, feature_batch, lm_loss, token_batch
+
+ALL_GATHER = "c10d::_allgather_base_"
+REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
+ALL_REDUCE = "c10d::allreduce_"
+
+
+def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(x) - x[:, :1]).pow(2).mean()
+
+
+def check_hsdp() -> list[tuple[float, float]]:
+    errors = [
+        tuple(train_and_compare(MLP, mse_loss, feature_batch, mesh_shape=(2, 2),
+                                reshard_after_forward=reshard))
+        for reshard in (True, False)
+    ]
+    errors.append(tuple(train_and_compare(Transformer, lm_loss, token_batch, mesh_shape=(2, 2))))
+    return errors
+
+
+def test_hsdp_trains_like_single_process_and_torch(ranks):
+    for errors in ranks.run(check_hsdp, world_size=4):
+        assert all(vs_torch == 0.0 for _, vs_torch in errors), errors
+
+
+def check_hsdp_placements_and_collectives() -> Counter:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = MLP()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for fqn, p in model.named_parameters():
+        assert p.placements == (Replicate(), Shard(0)), fqn
+    with CollectiveCounter() as comms:
+        mse_loss(model, feature_batch(0, 2)).backward()
+    return comms.counts
+
+
+def test_hsdp_reduce_scatters_then_all_reduces_once_per_unit(ranks):
+    counts = ranks.run(check_hsdp_placements_and_collectives, world_size=4)[0]
+    # 4 layer units (the root holds no parameters): gathered in forward and again in
+    # backward, one reduce-scatter in the shard group and one all-reduce across replicas.
+    assert counts == {ALL_GATHER: 8, REDUCE_SCATTER: 4, ALL_REDUCE: 4}
+
+
+def replicate_like_torch(module, mesh, **kwargs):
+    """torch's fully_shard on a (replicas, 1) mesh: what replicate() builds."""
+    grid = init_device_mesh("cpu", (mesh.size(), 1), mesh_dim_names=("replicate", "shard"))
+    return torch_fully_shard(module, mesh=grid, reshard_after_forward=False, **kwargs)
+
+
+def check_replicate() -> list[tuple[float, float]]:
+    return [
+        tuple(train_and_compare(make_model, loss, batch, shard_fns=(replicate, replicate_like_torch)))
+        for make_model, loss, batch in ((MLP, mse_loss, feature_batch),
+                                        (Transformer, lm_loss, token_batch))
+    ]
+
+
+# torch's fully_shard treats a one-rank shard group with its own division order, so the
+# two agree to float32 rounding (a few ulps after several AdamW steps), not bit for bit.
+REPLICATE_VS_TORCH = 1e-6
+
+
+def test_replicate_trains_like_single_process_and_torch_at_2_ranks(ranks):
+    for errors in ranks.run(check_replicate, world_size=2):
+        assert all(vs_torch <= REPLICATE_VS_TORCH for _, vs_torch in errors), errors
+
+
+def test_replicate_trains_like_single_process_and_torch_at_4_ranks(ranks):
+    for errors in ranks.run(check_replicate, world_size=4):
+        assert all(vs_torch <= REPLICATE_VS_TORCH for _, vs_torch in errors), errors
+
+
+def check_replicate_collectives() -> Counter:
+    model = MLP()
+    for layer in model.layers:
+        replicate(layer)
+    replicate(model)
+    with CollectiveCounter() as comms:
+        mse_loss(model, feature_batch(0, 2)).backward()
+    assert all(p.placements == (Replicate(), Shard(0)) and p.to_local().shape == p.shape
+               for p in model.parameters())
+    return comms.counts
+
+
+def test_replicate_sends_one_all_reduce_per_unit_and_no_gathers(ranks):
+    assert ranks.run(check_replicate_collectives, world_size=2)[0] == {ALL_REDUCE: 4}
+
+
+def blocks_sharded_root_replicated(model: nn.Module, shard) -> None:
+    for block in model.blocks:
+        shard(block)
+    grid = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("r", "s"))
+    shard(model, mesh=grid, reshard_after_forward=False)
+
+
+def check_mixed_strategies() -> tuple[float, float]:
+    return tuple(train_and_compare(Transformer, lm_loss, token_batch,
+                                   wrap=blocks_sharded_root_replicated))
+
+
+def test_sharded_and_replicated_units_in_one_model(ranks):
+    _, vs_torch = ranks.run(check_mixed_strategies, world_size=4)[0]
+    assert vs_torch <= REPLICATE_VS_TORCH  # the root is replicated: see REPLICATE_VS_TORCH
+
+
+def check_hsdp_accumulation_without_all_reduce() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    ref = MLP()
+    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
+    for model, shard in ((ours, fully_shard), (theirs, torch_fully_shard)):
+        for layer in model.layers:
+            shard(layer, mesh=mesh)
+        shard(model, mesh=mesh)
+    for micro in range(3):
+        x = feature_batch(micro, 2 * world)
+        mse_loss(ref, x).backward()
+        for model in (ours, theirs):
+            model.set_requires_all_reduce(micro == 2)
+            mse_loss(model, x.chunk(world)[rank]).backward()
+    for (fqn, p), ref_p, their_p in zip(ours.named_parameters(), ref.parameters(),
+                                        theirs.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad, msg=fqn)
+        torch.testing.assert_close(p.grad.full_tensor(), their_p.grad.full_tensor(), msg=fqn)
+
+
+def test_hsdp_accumulation_without_all_reduce(ranks):
+    ranks.run(check_hsdp_accumulation_without_all_reduce, world_size=4)
