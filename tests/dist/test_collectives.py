@@ -17,6 +17,7 @@ from tests.models import Transformer, lm_loss, token_batch
 
 ALL_GATHER = "c10d::_allgather_base_"
 REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
+ALL_REDUCE = "c10d::allreduce_"
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -26,10 +27,16 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter = Counter()
+        self.bytes: Counter = Counter()  # of the whole buffer each collective works on
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
-            self.counts[func._schema.name] += 1
+            name = func._schema.name
+            self.counts[name] += 1
+            if name in (ALL_GATHER, REDUCE_SCATTER):  # (output, input, ...): the larger
+                self.bytes[name] += max(t.numel() * t.element_size() for t in args[:2])
+            elif name == ALL_REDUCE:  # (tensors, ...)
+                self.bytes[name] += sum(t.numel() * t.element_size() for t in args[0])
         return func(*args, **(kwargs or {}))
 
 
