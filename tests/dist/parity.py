@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -38,6 +38,32 @@ def torch_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
     if isinstance(policy, MixedPrecisionPolicy):
         kwargs = {**kwargs, "mp_policy": TorchMixedPrecisionPolicy(**dataclasses.asdict(policy))}
     return kwargs
+
+
+def make_mesh(shape: tuple[int, ...] | None = None) -> DeviceMesh:
+    """A CPU mesh of `shape` (default: 1-D over all ranks); 2-D ones are (replicate, shard)."""
+    shape = shape or (dist.get_world_size(),)
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def three_models(
+    make_model: Callable[[], nn.Module],
+    mesh: DeviceMesh | None = None,
+    wrap: Callable[[nn.Module, Shard], None] = per_block,
+    shard_fns: tuple[Shard, Shard] = (fully_shard, torch_fully_shard),
+    **shard_kwargs: object,
+) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """The reference, ours and torch's, from the same initialisation, annotated by `wrap`
+    with `shard_kwargs` (`wrap` may override them, the mesh included)."""
+    mesh = mesh or make_mesh()
+    torch.manual_seed(0)  # same init on every rank
+    ref = make_model()
+    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
+    ours_fn, theirs_fn = shard_fns
+    wrap(ours, lambda m, **kw: ours_fn(m, **{"mesh": mesh, **shard_kwargs, **kw}))
+    wrap(theirs, lambda m, **kw: theirs_fn(m, **torch_kwargs({"mesh": mesh, **shard_kwargs, **kw})))
+    return ref, ours, theirs
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -68,16 +94,8 @@ def train_and_compare(
     """
     tolerance = reference_tolerance or {}
     rank, world = dist.get_rank(), dist.get_world_size()
-    shape = mesh_shape or (world,)
-    names = ("replicate", "shard") if len(shape) == 2 else None
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    torch.manual_seed(0)  # same init on every rank
-    ref = make_model()
-    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
-    ours_fn, theirs_fn = shard_fns
-    wrap(ours, lambda m, **kw: ours_fn(m, **{"mesh": mesh, **shard_kwargs, **kw}))
-    wrap(theirs, lambda m, **kw: theirs_fn(m, **torch_kwargs({"mesh": mesh, **shard_kwargs, **kw})))
-    models = (ref, ours, theirs)
+    models = three_models(make_model, make_mesh(mesh_shape), wrap, shard_fns, **shard_kwargs)
+    ref, ours, theirs = models
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in models]
     vs_ref = vs_torch = 0.0
     for step in range(steps):

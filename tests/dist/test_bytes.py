@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard, replicate

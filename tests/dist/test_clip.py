@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from fsdp_compose import clip_grad_norm_, fully_shard
+from fsdp_compose import clip_grad_norm_
+from tests.dist.parity import three_models
 from tests.models import MLP, feature_batch
 
 
@@ -22,15 +20,8 @@ def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def check_clip_on_a_1d_mesh() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
     for norm_type in (2.0, 1.0, float("inf")):
-        torch.manual_seed(0)
-        ref = MLP()
-        ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
-        for model, shard in ((ours, fully_shard), (theirs, torch_fully_shard)):
-            for layer in model.layers:
-                shard(layer, mesh=mesh)
-            shard(model, mesh=mesh)
+        ref, ours, theirs = three_models(MLP)
         x = feature_batch(0, 2 * world)
         mse_loss(ref, x).backward()
         for model in (ours, theirs):

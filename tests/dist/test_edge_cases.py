@@ -9,12 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import FSDPModule, fully_shard, register_fsdp_forward_method
-from tests.dist.parity import train_and_compare
+from tests.dist.parity import three_models, train_and_compare
 from tests.models import MLP, Transformer, feature_batch, lm_loss, token_batch
 
 
@@ -193,22 +191,9 @@ def test_inference_forwards_leave_nothing_unsharded(ranks):
     ranks.run(check_inference_then_training, world_size=2)
 
 
-def _three_models(make_model, **kwargs):
-    """Reference, ours and torch's, built from the same init."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)
-    ref = make_model()
-    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
-    for model, shard in ((ours, fully_shard), (theirs, torch_fully_shard)):
-        for layer in model.layers:
-            shard(layer, mesh=mesh, **kwargs)
-        shard(model, mesh=mesh, **kwargs)
-    return ref, ours, theirs
-
-
 def check_gradient_accumulation(sync_each_micro_batch: bool) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    ref, ours, theirs = _three_models(MLP)
+    ref, ours, theirs = three_models(MLP)
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours, theirs)]
     for step in range(2):
         for micro in range(3):
@@ -259,7 +244,7 @@ def test_ignored_params_stay_whole_and_local(ranks):
 
 
 def check_explicit_unshard_and_reshard() -> None:
-    ref, ours, _ = _three_models(MLP)
+    ref, ours, _ = three_models(MLP)
     handle = ours.layers[0].unshard(async_op=True)
     handle.wait()
     weight = ours.layers[0].weight
@@ -303,7 +288,7 @@ def check_gradient_divide_factors() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     grads = []
     for setting in ("default", "sum", "force_sum", "deprecated_sum"):
-        _, ours, _ = _three_models(MLP)
+        _, ours, _ = three_models(MLP)
         for module in ours.modules():
             if isinstance(module, FSDPModule) and setting == "sum":
                 module.set_gradient_divide_factor(1.0)
@@ -326,7 +311,7 @@ def test_gradient_divide_factor_and_forced_sum(ranks):
 
 def check_reshard_after_backward_false() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    ref, ours, _ = _three_models(MLP)
+    ref, ours, _ = three_models(MLP)
     ours.set_reshard_after_backward(False)
     x = feature_batch(0, 2 * world)
     mse_loss(ref, x).backward()

@@ -8,11 +8,9 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
-from tests.dist.parity import torch_kwargs, train_and_compare
+from tests.dist.parity import three_models, train_and_compare
 from tests.models import MLP, Transformer, feature_batch, lm_loss, token_batch
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -132,17 +130,7 @@ def check_accumulation_without_sync_in_reduce_dtype() -> float:
     """bf16 compute, float32 reduce: micro-batch gradients are summed in float32 before the
     reduction, as torch's fully_shard does; the result equals it bit for bit."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    ours = MLP()
-    theirs = copy.deepcopy(ours)
-    ours_kwargs = {"mesh": mesh, "mp_policy": BF16}
-    for model, shard, kwargs in (
-        (ours, fully_shard, ours_kwargs), (theirs, torch_fully_shard, torch_kwargs(ours_kwargs))
-    ):
-        for layer in model.layers:
-            shard(layer, **kwargs)
-        shard(model, mesh=mesh)
+    _, ours, theirs = three_models(MLP, mp_policy=BF16)
     for micro in range(4):
         x = feature_batch(micro, 2 * world).chunk(world)[rank]
         for model in (ours, theirs):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 
 import torch
@@ -13,7 +12,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_compose import fully_shard, replicate
-from tests.dist.parity import train_and_compare
+from tests.dist.parity import make_mesh, three_models, train_and_compare
 from tests.dist.test_collectives import CollectiveCounter
 from tests.models import MLP, Transformer, feature_batch, lm_loss, token_batch
 
@@ -125,14 +124,7 @@ def test_sharded_and_replicated_units_in_one_model(ranks):
 
 def check_hsdp_accumulation_without_all_reduce() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    ref = MLP()
-    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
-    for model, shard in ((ours, fully_shard), (theirs, torch_fully_shard)):
-        for layer in model.layers:
-            shard(layer, mesh=mesh)
-        shard(model, mesh=mesh)
+    ref, ours, theirs = three_models(MLP, make_mesh((2, 2)))
     for micro in range(3):
         x = feature_batch(micro, 2 * world)
         mse_loss(ref, x).backward()
