@@ -9,20 +9,17 @@ from collections.abc import Callable
 from typing import Any, NoReturn, overload
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
 
+from ._checks import (
+    SHARDED_MARK, check_mesh, check_modules, check_options, check_params,
+    check_reshard_after_forward, collect_params, default_mesh, mesh_device, move_buffers,
+)
 from ._hooks import STATE_ATTR, UnitState, state_of
 from ._param import ShardedParam
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._unit import Unit
-
-# Marks the sharded parameters we create, so a later call on an inner module can tell
-# "sharded by an enclosing fully_shard" from a tensor-parallel DTensor.
-_SHARDED_MARK = "_fsdp_compose_sharded"
-
 
 class FSDPModule:
     """A module annotated by `fully_shard`. Its class is a dynamic subclass of this one and of
@@ -96,7 +93,7 @@ class FSDPModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free the unsharded parameters after forward (gathered again in backward)."""
-        _check_reshard_after_forward(reshard_after_forward, self)
+        check_reshard_after_forward(reshard_after_forward, self)
         for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
 
@@ -218,26 +215,26 @@ def fully_shard(
     untouched.
     """
     modules = list(module) if isinstance(module, list) else [module]
-    _check_modules(modules)
+    check_modules(modules)
     name = ", ".join(type(m).__name__ for m in modules)
-    _check_options(name, reshard_after_forward, shard_placement_fn, mp_policy,
+    check_options(name, reshard_after_forward, shard_placement_fn, mp_policy,
                    offload_policy, dp_mesh_dims)
     mesh = mesh if mesh is not None else default_mesh(name)
-    _check_mesh(name, mesh)
-    device = _mesh_device(mesh)
-    collected = _collect_params(modules, name, set(ignored_params or ()))
-    _check_params(name, collected, device, mp_policy)
+    check_mesh(name, mesh)
+    device = mesh_device(mesh)
+    collected = collect_params(modules, name, set(ignored_params or ()))
+    check_params(name, collected, device, mp_policy)
 
     params = [
         ShardedParam(fqn, p, owners, mesh, device, mp_policy) for fqn, p, owners in collected
     ]
-    _move_buffers(modules, device)
+    move_buffers(modules, device)
     state = UnitState(
         modules, Unit(params, mesh), reshard_after_forward, mp_policy=mp_policy, label=name
     )
     state.original_params = {id(p): weakref.ref(p) for _, p, _ in collected}
     for param in params:
-        setattr(param.sharded, _SHARDED_MARK, True)
+        setattr(param.sharded, SHARDED_MARK, True)
         param.to_sharded()
     for m in modules:
         m.__dict__[STATE_ATTR] = state
@@ -263,203 +260,3 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.post_forward(module, args, output)  # type: ignore[arg-type]
 
     setattr(module, method_name, forward_method)
-
-
-# -- checks: all on data every rank has, all before anything changes ---------------------
-
-
-def _check_modules(modules: list[nn.Module]) -> None:
-    if not modules:
-        raise ValueError("fully_shard needs a module or a non-empty list of modules, got []")
-    for m in modules:
-        if not isinstance(m, nn.Module):
-            raise TypeError(
-                f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}"
-            )
-        if isinstance(m, FSDPModule):
-            raise ValueError(
-                f"fully_shard({type(m).__name__}): this module is already annotated; call "
-                "fully_shard once per module."
-            )
-
-
-def _check_reshard_after_forward(value: object, where: object) -> None:
-    if isinstance(value, bool) or value is None:
-        return
-    if isinstance(value, int):
-        raise NotImplementedError(
-            f"{type(where).__name__}: reshard_after_forward={value} (resharding to a smaller "
-            "group after forward) is not supported yet; pass True or False."
-        )
-    raise TypeError(
-        f"{type(where).__name__}: reshard_after_forward must be a bool or None, "
-        f"got {type(value).__name__} {value!r}"
-    )
-
-
-def _check_options(
-    name: str, reshard_after_forward: object, shard_placement_fn: object,
-    mp_policy: object, offload_policy: object, dp_mesh_dims: object,
-) -> None:
-    _check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})")
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"fully_shard({name}): mp_policy must be fsdp_compose.MixedPrecisionPolicy, "
-            f"got {type(mp_policy).__module__}.{type(mp_policy).__name__}"
-        )
-    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
-        dtype = getattr(mp_policy, field)
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(
-                f"fully_shard({name}): MixedPrecisionPolicy.{field}={dtype!r} is not a "
-                "floating-point torch.dtype; use e.g. torch.bfloat16, or None to keep the "
-                "parameters' dtype."
-            )
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"fully_shard({name}): offload_policy must be fsdp_compose.OffloadPolicy or "
-            f"CPUOffloadPolicy, got {type(offload_policy).__name__}"
-        )
-    if type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError(
-            f"fully_shard({name}): {type(offload_policy).__name__} (CPU offload) is not "
-            "supported yet; use the default OffloadPolicy()."
-        )
-    if shard_placement_fn is not None:
-        raise NotImplementedError(
-            f"fully_shard({name}): shard_placement_fn (sharding on a dim other than 0) is "
-            "not supported; parameters are sharded on dim 0."
-        )
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            f"fully_shard({name}): dp_mesh_dims (multi-dimensional meshes) is not supported "
-            "yet; pass a 1-D mesh."
-        )
-
-
-def default_mesh(name: str) -> DeviceMesh:
-    """A 1-D mesh over every rank of the default process group, on the accelerator if any."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            f"fully_shard({name}): no default process group. Call "
-            "torch.distributed.init_process_group() first (torchrun sets up its environment), "
-            "or pass mesh=."
-        )
-    accelerator = torch.accelerator.current_accelerator()
-    device_type = accelerator.type if accelerator is not None else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
-
-
-def _check_mesh(name: str, mesh: object) -> None:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard({name}): mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"fully_shard({name}): the mesh has {mesh.ndim} dimensions; pass a 1-D mesh "
-            "(full sharding) or a 2-D (replicate, shard) mesh (HSDP), e.g. mesh['dp']."
-        )
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise ValueError(
-            f"fully_shard({name}): a 2-D mesh needs names for its (replicate, shard) "
-            "dimensions: init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))."
-        )
-
-
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
-
-
-def _collect_params(
-    modules: list[nn.Module], name: str, ignored: set[nn.Parameter]
-) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
-    """(fqn, parameter, every (module, attribute) holding it) for each parameter the unit
-    owns: those under `modules` not owned by an inner unit and not ignored."""
-    found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
-    inner: list[UnitState] = []
-
-    def visit(module: nn.Module, prefix: str) -> None:
-        for attr, param in module._parameters.items():
-            if param is None or param in ignored:
-                continue
-            fqn = prefix + attr
-            if id(param) in found:
-                found[id(param)][2].append((module, attr))  # tied within the unit
-            else:
-                found[id(param)] = (fqn, param, [(module, attr)])
-        for child_name, child in module._modules.items():
-            if child is None:
-                continue
-            state = state_of(child)
-            if state is not None:
-                inner.append(state)
-            else:
-                visit(child, f"{prefix}{child_name}.")
-
-    for m in modules:
-        visit(m, "")
-    for fqn, param, _ in found.values():
-        if any(state.owned_before_sharding(param) for state in inner):
-            raise NotImplementedError(
-                f"fully_shard({name}): parameter {fqn!r} is shared with an inner unit that "
-                "already sharded it. Tied parameters must live in one unit: annotate the "
-                "modules that share it together (or only their common parent)."
-            )
-    return list(found.values())
-
-
-def _check_params(
-    name: str,
-    collected: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
-    device: torch.device,
-    mp_policy: MixedPrecisionPolicy,
-) -> None:
-    dtypes: dict[torch.dtype, str] = {}
-    for fqn, param, _ in collected:
-        if isinstance(param, DTensor):
-            if getattr(param, _SHARDED_MARK, False):
-                raise ValueError(
-                    f"fully_shard({name}): parameter {fqn!r} is already sharded by fully_shard "
-                    "on an enclosing module. Annotate bottom-up: inner modules first, then "
-                    "the modules that contain them."
-                )
-            raise NotImplementedError(
-                f"fully_shard({name}): parameter {fqn!r} is already a DTensor on mesh "
-                f"{param.device_mesh} with {param.placements}; composing with tensor "
-                "parallelism is not supported yet."
-            )
-        if param.ndim == 0:
-            raise ValueError(
-                f"fully_shard({name}): parameter {fqn!r} is a scalar and cannot be sharded on "
-                "dim 0. Give it shape (1,), or pass it in ignored_params to keep it whole."
-            )
-        if param.device.type == "meta":
-            raise NotImplementedError(
-                f"fully_shard({name}): parameter {fqn!r} is on the meta device; deferred "
-                "initialisation is not supported yet. Materialise the model first "
-                "(module.to_empty(device=...) and reset_parameters())."
-            )
-        if param.device.type != device.type and param.device.type != "cpu":
-            raise ValueError(
-                f"fully_shard({name}): parameter {fqn!r} is on {param.device} but the mesh is "
-                f"on {device.type}. Build the mesh on the parameters' device type, or move "
-                "the module there first."
-            )
-        dtypes.setdefault(param.dtype, fqn)
-    if len(dtypes) > 1 and mp_policy.param_dtype is None:
-        listing = ", ".join(f"{fqn!r} is {dtype}" for dtype, fqn in dtypes.items())
-        raise NotImplementedError(
-            f"fully_shard({name}): one unit's parameters must share a dtype ({listing}). "
-            "Annotate the differently typed submodules as units of their own, or gather them "
-            "all in one dtype with MixedPrecisionPolicy(param_dtype=...)."
-        )
-
-
-def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
-    """Buffers follow their parameters to the mesh's device (parameters move by sharding)."""
-    for m in modules:
-        for module in m.modules():
-            for attr, buffer in module._buffers.items():
-                if buffer is not None and buffer.device != device:
-                    module._buffers[attr] = buffer.to(device)

@@ -7,7 +7,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._fully_shard import FSDPModule, default_mesh, fully_shard
+from ._checks import default_mesh
+from ._fully_shard import FSDPModule, fully_shard
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 
 
