@@ -21,7 +21,7 @@ def replicate(
     ignored_params: set[nn.Parameter] | None = None,
 ) -> FSDPModule | list[FSDPModule]:
     """Keep `module`'s parameters whole on every rank of the 1-D `mesh`; average gradients
-    with one all-reduce per unit and backward. Ours, not in torch.distributed.fsdp.
+    with one all-reduce per unit and backward. Ours: torch's fully_shard API has no replicate().
 
     A unit of HSDP whose shard group is one rank: the same hooks and FSDPModule methods,
     no parameter gathers. Units made by `replicate` and by `fully_shard` mix in one model.
