@@ -210,7 +210,8 @@ def fully_shard(
 
     `reshard_after_forward`: free the unsharded parameters after forward and gather them
     again for backward; None means True, except for the root unit (the first to run
-    forward), which keeps them. `ignored_params` stay as they are: not sharded, not reduced.
+    forward), which keeps them. `mp_policy`: the dtypes the unit gathers, computes and
+    reduces in. `ignored_params` stay as they are: not sharded, not reduced.
     Arguments are checked before anything changes, so a call that raises leaves `module`
     untouched.
     """

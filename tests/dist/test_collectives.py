@@ -117,3 +117,20 @@ def test_unshard_in_backward_false_skips_the_backward_all_gather(ranks):
     # Forward gathers both units; backward gathers neither (the root kept its parameters,
     # the embedding is not needed), and both reduce.
     assert counts == Counts(2, 0, 2)
+
+
+def check_setter_turns_off_reshard_after_forward() -> tuple[Counts, Counts]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = Transformer(depth=3)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    before = count_step(model, forwards=1)
+    model.set_reshard_after_forward(False)  # recurses into the blocks
+    return before, count_step(model, forwards=1)
+
+
+def test_set_reshard_after_forward_false_skips_backward_all_gathers(ranks):
+    before, after = ranks.run(check_setter_turns_off_reshard_after_forward)[0]
+    assert (before, after) == (Counts(4, 3, 4), Counts(4, 0, 4))
