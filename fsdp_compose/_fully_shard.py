@@ -71,12 +71,9 @@ class FSDPModule:
         self._state().reset_iter_state()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last before the optimizer step. Gradient
-        reductions here finish within each backward, so every backward is complete; the
-        flag is kept for code written for torch's fully_shard."""
-        for state in self._states(recurse=False):
-            if state.ctx is not None:
-                state.ctx.is_last_backward = is_last_backward
+        """Accepted for code written for torch's fully_shard, which waits for pending
+        gradient reductions only after the last backward. Here every backward finishes its
+        reductions before it returns, so each one is complete and there is nothing to set."""
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With False, backward keeps unsharded gradients on each rank and accumulates
@@ -231,9 +228,9 @@ def fully_shard(
     ]
     move_buffers(modules, device)
     state = UnitState(
-        modules, Unit(params, mesh), reshard_after_forward, mp_policy=mp_policy, label=name
+        modules, Unit(params, mesh), reshard_after_forward, mp_policy=mp_policy, label=name,
+        original_params={id(p): weakref.ref(p) for _, p, _ in collected},
     )
-    state.original_params = {id(p): weakref.ref(p) for _, p, _ in collected}
     for param in params:
         setattr(param.sharded, SHARDED_MARK, True)
         param.to_sharded()

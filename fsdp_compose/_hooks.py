@@ -56,7 +56,6 @@ class IterContext:
     states: list[UnitState]  # every unit under the root, in module order
     forward_root: UnitState | None = None  # the unit whose forward encloses the others'
     final_callback_queued: bool = False
-    is_last_backward: bool = True
 
 
 @dataclass(eq=False)
@@ -247,13 +246,13 @@ class UnitState:
         """End of backward, on the root: finish every unit no hook finished, in module order
         (the same on every rank), and start the next iteration from IDLE."""
         for state in self.ctx.states:
-            if state.phase is Phase.PRE_BACKWARD or (
-                state.phase is not Phase.POST_BACKWARD and state.requires_gradient_sync
-                and state.unit.has_unsharded_grads()
-            ):
-                state._reduce_and_reshard()
-            elif state.phase is not Phase.POST_BACKWARD and state.reshard_after_backward:
-                state.unit.reshard()
+            if state.phase is not Phase.POST_BACKWARD:
+                # Reached by no identity function (inputs without grad), or holding
+                # gradients from backwards without sync while not run this time.
+                if state.phase is Phase.PRE_BACKWARD or state.unit.has_unsharded_grads():
+                    state._reduce_and_reshard()
+                elif state.reshard_after_backward:
+                    state.unit.reshard()
             state.phase = Phase.IDLE
             state._pending_post_backward = 0
         self.ctx.final_callback_queued = False

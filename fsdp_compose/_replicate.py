@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import nn
@@ -30,10 +31,17 @@ def replicate(
     mesh = mesh if mesh is not None else default_mesh(name)
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ValueError(f"replicate({name}): pass a 1-D DeviceMesh, got {mesh!r}")
-    replicas = DeviceMesh(
-        mesh.device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard")
-    )
     kwargs: dict[str, Any] = {"mp_policy": mp_policy, "offload_policy": offload_policy}
     # Nothing to free after forward: "unsharding" a replicated unit is a local copy.
-    return fully_shard(module, mesh=replicas, reshard_after_forward=False,
+    return fully_shard(module, mesh=_replica_mesh(mesh), reshard_after_forward=False,
                        ignored_params=ignored_params, **kwargs)
+
+
+@functools.cache
+def _replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The (replicas, 1) mesh over `mesh`'s ranks. Cached: building it creates process
+    groups (a collective step), once per mesh rather than once per replicate() call; every
+    rank calls replicate() in the same order, so every rank hits or misses alike."""
+    return DeviceMesh(
+        mesh.device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard")
+    )
