@@ -4,9 +4,8 @@ first collective and before anything changes, so a failed call leaves the module
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ._hooks import UnitState, state_of
@@ -33,25 +32,27 @@ def check_modules(modules: list[nn.Module]) -> None:
             )
 
 
-def check_reshard_after_forward(value: object, where: object) -> None:
+def check_reshard_after_forward(value: object, where: str, shard_size: int | None) -> None:
+    """A bool, None, or an int group size that divides the mesh's shard size."""
     if isinstance(value, bool) or value is None:
         return
-    if isinstance(value, int):
-        raise NotImplementedError(
-            f"{type(where).__name__}: reshard_after_forward={value} (resharding to a smaller "
-            "group after forward) is not supported yet; pass True or False."
+    if not isinstance(value, int):
+        raise TypeError(
+            f"{where}: reshard_after_forward must be a bool, None or an int group size, "
+            f"got {type(value).__name__} {value!r}"
         )
-    raise TypeError(
-        f"{type(where).__name__}: reshard_after_forward must be a bool or None, "
-        f"got {type(value).__name__} {value!r}"
-    )
+    if shard_size is not None and (value < 1 or shard_size % value):
+        raise ValueError(
+            f"{where}: reshard_after_forward={value} must divide the mesh's shard size "
+            f"{shard_size} (e.g. the ranks of one host), or be True or False."
+        )
 
 
 def check_options(
     name: str, reshard_after_forward: object, shard_placement_fn: object,
     mp_policy: object, offload_policy: object, dp_mesh_dims: object,
 ) -> None:
-    check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})")
+    check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", None)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             f"fully_shard({name}): mp_policy must be fsdp_compose.MixedPrecisionPolicy, "
@@ -87,19 +88,6 @@ def check_options(
         )
 
 
-def default_mesh(name: str) -> DeviceMesh:
-    """A 1-D mesh over every rank of the default process group, on the accelerator if any."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            f"fully_shard({name}): no default process group. Call "
-            "torch.distributed.init_process_group() first (torchrun sets up its environment), "
-            "or pass mesh=."
-        )
-    accelerator = torch.accelerator.current_accelerator()
-    device_type = accelerator.type if accelerator is not None else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
-
-
 def check_mesh(name: str, mesh: object) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard({name}): mesh must be a DeviceMesh, got {type(mesh).__name__}")
@@ -113,12 +101,6 @@ def check_mesh(name: str, mesh: object) -> None:
             f"fully_shard({name}): a 2-D mesh needs names for its (replicate, shard) "
             "dimensions: init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))."
         )
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
 def collect_params(

@@ -14,9 +14,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._checks import (
     SHARDED_MARK, check_mesh, check_modules, check_options, check_params,
-    check_reshard_after_forward, collect_params, default_mesh, mesh_device, move_buffers,
+    check_reshard_after_forward, collect_params, move_buffers,
 )
 from ._hooks import STATE_ATTR, UnitState, state_of
+from ._meshes import default_mesh, mesh_device, resolve_reshard_after_forward
 from ._param import ShardedParam
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._unit import Unit
@@ -88,11 +89,22 @@ class FSDPModule:
         for state in self._states(recurse):
             state.unit.requires_all_reduce = requires_all_reduce
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Whether to free the unsharded parameters after forward (gathered again in backward)."""
-        check_reshard_after_forward(reshard_after_forward, self)
-        for state in self._states(recurse):
-            state.reshard_after_forward = reshard_after_forward
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool | int, recurse: bool = True
+    ) -> None:
+        """Whether to free the unsharded parameters after forward (gathered again in
+        backward); an int keeps them sharded over groups of that many ranks instead."""
+        states = self._states(recurse)
+        for state in states:  # check every unit before changing any
+            check_reshard_after_forward(
+                reshard_after_forward, type(self).__name__, state.unit.mesh.size(-1)
+            )
+        for state in states:
+            reshard, post_forward_mesh = resolve_reshard_after_forward(
+                reshard_after_forward, state.unit.mesh
+            )
+            state.reshard_after_forward = reshard
+            state.unit.set_post_forward_mesh(post_forward_mesh)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free the unsharded parameters after backward (e.g. keep them across
@@ -207,7 +219,8 @@ def fully_shard(
 
     `reshard_after_forward`: free the unsharded parameters after forward and gather them
     again for backward; None means True, except for the root unit (the first to run
-    forward), which keeps them. `mp_policy`: the dtypes the unit gathers, computes and
+    forward), which keeps them. An int k (dividing the shard size, e.g. the ranks of one
+    host) keeps them sharded over groups of k consecutive ranks, so backward gathers there. `mp_policy`: the dtypes the unit gathers, computes and
     reduces in. `ignored_params` stay as they are: not sharded, not reduced.
     Arguments are checked before anything changes, so a call that raises leaves `module`
     untouched.
@@ -219,6 +232,7 @@ def fully_shard(
                    offload_policy, dp_mesh_dims)
     mesh = mesh if mesh is not None else default_mesh(name)
     check_mesh(name, mesh)
+    check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", mesh.size(-1))
     device = mesh_device(mesh)
     collected = collect_params(modules, name, set(ignored_params or ()))
     check_params(name, collected, device, mp_policy)
@@ -227,8 +241,11 @@ def fully_shard(
         ShardedParam(fqn, p, owners, mesh, device, mp_policy) for fqn, p, owners in collected
     ]
     move_buffers(modules, device)
+    reshard, post_forward_mesh = resolve_reshard_after_forward(reshard_after_forward, mesh)
+    unit = Unit(params, mesh)
+    unit.set_post_forward_mesh(post_forward_mesh)
     state = UnitState(
-        modules, Unit(params, mesh), reshard_after_forward, mp_policy=mp_policy, label=name,
+        modules, unit, reshard, mp_policy=mp_policy, label=name,
         original_params={id(p): weakref.ref(p) for _, p, _ in collected},
     )
     for param in params:

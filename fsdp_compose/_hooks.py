@@ -64,7 +64,9 @@ class UnitState:
 
     modules: list[nn.Module]
     unit: Unit
-    reshard_after_forward: bool | None  # None: decided at lazy init (False for the root)
+    # None: decided at lazy init (False for the root). An int group size is True here plus
+    # the unit's post-forward mesh.
+    reshard_after_forward: bool | None
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
@@ -185,8 +187,10 @@ class UnitState:
 
     def _finish_forward(self) -> None:
         self._enter(Phase.IDLE)
-        if self.reshard_after_forward or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             self.unit.reshard()  # no backward can follow a forward without grad
+        elif self.reshard_after_forward:
+            self.unit.reshard(keep_post_forward=True)
 
     def _unshard(self) -> None:
         self.unit.unshard()

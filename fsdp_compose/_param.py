@@ -67,6 +67,10 @@ class ShardedParam:
             requires_grad=param.requires_grad,
         )
         self._free_unsharded()
+        # reshard_after_forward=<int>: the layout over the smaller post-forward group, the
+        # rows this rank keeps of it, and (between forward and backward) the kept piece.
+        self._post_forward: tuple[ShardLayout, range] | None = None
+        self.post_forward_shard: torch.Tensor | None = None
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
         mesh, placements, shape, stride = self._spec
@@ -74,11 +78,39 @@ class ShardedParam:
             local, mesh, placements, run_check=False, shape=shape, stride=stride
         )
 
-    def allocate_unsharded(self) -> torch.Tensor:
-        """Give the unsharded data its storage; return where the all-gather result lands,
-        as (shard_size, padded_shard_numel)."""
+    def allocate_unsharded(self, from_post_forward: bool) -> torch.Tensor:
+        """Give the unsharded data its storage; return where the all-gather result lands:
+        (shard_size, padded_shard_numel), or the same for the post-forward layout."""
         self._unsharded_buffer.untyped_storage().resize_(self._unsharded_buffer.nbytes)
-        return self._gather_target
+        if not from_post_forward:
+            return self._gather_target
+        # The post-forward group divides the shard size, so its padded layout is no longer
+        # than the full one: k * ceil(n / k) <= W * ceil(n / W) when k divides W.
+        layout = self._post_forward[0]
+        rows = layout.shard_size * layout.padded_shard_numel
+        return self._unsharded_buffer.data[:rows].view(layout.shard_size, -1)
+
+    def set_post_forward_group(self, group_size: int | None, index: int) -> None:
+        """After forward, keep piece `index` of a `group_size`-way shard (None: keep nothing)."""
+        self.post_forward_shard = None
+        if group_size is None:
+            self._post_forward = None
+            return
+        layout = shard_layout(self.layout.shape, group_size)
+        self._post_forward = (layout, chunk_range(self.layout.shape[0], group_size, index))
+
+    @property
+    def post_forward_numel(self) -> int:
+        return self._post_forward[0].padded_shard_numel
+
+    def keep_post_forward_shard(self) -> None:
+        """Copy this rank's piece of the post-forward layout out of the unsharded data."""
+        layout, rows = self._post_forward
+        shard = self.unsharded.detach().new_empty(layout.padded_shard_numel)  # padding unread
+        shard[: len(rows) * layout.row_numel].copy_(
+            self.unsharded.detach()[rows.start : rows.stop].reshape(-1)
+        )
+        self.post_forward_shard = shard
 
     def _free_unsharded(self) -> None:
         # Free by resizing the storage to 0 rather than dropping the tensor: autograd may

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._checks import default_mesh
 from ._fully_shard import FSDPModule, fully_shard
+from ._meshes import default_mesh, replica_mesh
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 
 
@@ -33,15 +32,6 @@ def replicate(
         raise ValueError(f"replicate({name}): pass a 1-D DeviceMesh, got {mesh!r}")
     kwargs: dict[str, Any] = {"mp_policy": mp_policy, "offload_policy": offload_policy}
     # Nothing to free after forward: "unsharding" a replicated unit is a local copy.
-    return fully_shard(module, mesh=_replica_mesh(mesh), reshard_after_forward=False,
+    return fully_shard(module, mesh=replica_mesh(mesh), reshard_after_forward=False,
                        ignored_params=ignored_params, **kwargs)
 
-
-@functools.cache
-def _replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The (replicas, 1) mesh over `mesh`'s ranks. Cached: building it creates process
-    groups (a collective step), once per mesh rather than once per replicate() call; every
-    rank calls replicate() in the same order, so every rank hits or misses alike."""
-    return DeviceMesh(
-        mesh.device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard")
-    )

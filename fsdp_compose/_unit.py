@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+from torch.distributed import ProcessGroup, Work
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._collectives import all_gather, all_reduce, grad_reduction, reduce_scatter
 from ._param import ShardedParam
+
+
+class _Gather(NamedTuple):
+    """An all-gather in flight: its result (row r: rank r's shards) and how to copy it out."""
+
+    gathered: torch.Tensor
+    work: Work | None
+    rows: int  # ranks gathered from
+    sizes: list[int]  # each parameter's padded shard, per row
+    from_post_forward: bool
 
 
 class Unit:
@@ -15,6 +28,8 @@ class Unit:
     forward or backward: see _hooks.py for when.
 
     On a 2-D mesh (replicate, shard) the last dimension shards and the first replicates.
+    With a post-forward mesh (reshard_after_forward=<int>), resharding after forward keeps a
+    piece of each parameter sharded over a smaller group, and the next unshard gathers there.
     """
 
     def __init__(self, params: list[ShardedParam], mesh: DeviceMesh) -> None:
@@ -33,18 +48,40 @@ class Unit:
         # until a backward all-reduces again (gradient accumulation across replicas).
         self._partial_grads: dict[ShardedParam, torch.Tensor] = {}
         self._gather_sizes = [p.layout.padded_shard_numel for p in params]
-        self._pending_gather: tuple[torch.Tensor, torch.distributed.Work | None] | None = None
+        self._pending_gather: _Gather | None = None
+        self._post_forward_group: ProcessGroup | None = None
+        self._post_forward_kept = False  # whether the params hold post-forward shards now
+
+    def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
+        """Reshard after forward to dim 1 of `mesh` (a smaller group), or fully if None."""
+        self.reshard()
+        if mesh is None:
+            self._post_forward_group, size, index = None, None, 0
+        else:
+            self._post_forward_group, size, index = mesh.get_group(1), mesh.size(1), mesh.get_local_rank(1)
+        for p in self.params:
+            p.set_post_forward_group(size, index)
 
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the parameters; with `async_op`, finish in `wait_for_unshard`."""
         if self.is_unsharded or self._pending_gather is not None or not self.params:
             return
-        shards = torch.cat([p.padded_shard for p in self.params])  # copy-in: one flat send
-        if shards.dtype != self.param_dtype:
-            shards = shards.to(self.param_dtype)  # mixed precision: gather what computes
-        gathered = shards.new_empty(self.shard_size * shards.numel())  # row r: rank r's shards
-        work = all_gather(gathered, shards, self.group, async_op)
-        self._pending_gather = (gathered, work)
+        if self._post_forward_kept:
+            self._post_forward_kept = False
+            group, sizes = self._post_forward_group, [p.post_forward_numel for p in self.params]
+            shards = torch.cat([p.post_forward_shard for p in self.params])
+            for p in self.params:
+                p.post_forward_shard = None
+        else:
+            group, sizes = self.group, self._gather_sizes
+            shards = torch.cat([p.padded_shard for p in self.params])  # copy-in: one flat send
+            if shards.dtype != self.param_dtype:
+                shards = shards.to(self.param_dtype)  # mixed precision: gather what computes
+        gathered = shards.new_empty(group.size() * shards.numel())  # row r: rank r's shards
+        work = all_gather(gathered, shards, group, async_op)
+        self._pending_gather = _Gather(
+            gathered, work, group.size(), sizes, group is not self.group
+        )
         if not async_op:
             self.wait_for_unshard()
 
@@ -52,27 +89,36 @@ class Unit:
         """Finish a started all-gather: copy out into the unsharded parameters, register them."""
         if self._pending_gather is None:
             return
-        gathered, work = self._pending_gather
+        gather = self._pending_gather
         self._pending_gather = None
-        if work is not None:
-            work.wait()
+        if gather.work is not None:
+            gather.work.wait()
         torch.split_with_sizes_copy(
-            gathered.view(self.shard_size, -1),
-            self._gather_sizes,
+            gather.gathered.view(gather.rows, -1),
+            gather.sizes,
             dim=1,
-            out=[p.allocate_unsharded() for p in self.params],
+            out=[p.allocate_unsharded(gather.from_post_forward) for p in self.params],
         )
         for p in self.params:
             p.to_unsharded()
         self.is_unsharded = True
 
-    def reshard(self) -> None:
-        """Register the sharded parameters again and free the unsharded data."""
+    def reshard(self, keep_post_forward: bool = False) -> None:
+        """Register the sharded parameters again and free the unsharded data; with
+        `keep_post_forward` and a post-forward mesh, keep each parameter's piece for it."""
         self.wait_for_unshard()  # an all-gather in flight must land before its buffers go
+        keep = keep_post_forward and self._post_forward_group is not None
         if not self.is_unsharded:
+            if not keep and self._post_forward_kept:
+                self._post_forward_kept = False
+                for p in self.params:
+                    p.post_forward_shard = None
             return
         for p in self.params:
+            if keep:
+                p.keep_post_forward_shard()
             p.to_sharded()
+        self._post_forward_kept = keep
         self.is_unsharded = False
 
     def has_unsharded_grads(self) -> bool:

@@ -20,6 +20,11 @@ REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
 ALL_REDUCE = "c10d::allreduce_"
 
 
+def _group_size(boxed: object) -> int:
+    """The size of a process group as the dispatcher passes it (a boxed script object)."""
+    return dist.ProcessGroup.unbox(boxed).size()
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Counts the c10d ops dispatched while active, by name. (CommDebugMode would do, but its module
     tracker fails when a module runs twice before backward.)"""
@@ -28,15 +33,18 @@ class CollectiveCounter(TorchDispatchMode):
         super().__init__()
         self.counts: Counter = Counter()
         self.bytes: Counter = Counter()  # of the whole buffer each collective works on
+        self.group_sizes: Counter = Counter()  # by (name, size of its process group)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             name = func._schema.name
             self.counts[name] += 1
-            if name in (ALL_GATHER, REDUCE_SCATTER):  # (output, input, ...): the larger
+            if name in (ALL_GATHER, REDUCE_SCATTER):  # (output, input, group, ...)
                 self.bytes[name] += max(t.numel() * t.element_size() for t in args[:2])
-            elif name == ALL_REDUCE:  # (tensors, ...)
+                self.group_sizes[name, _group_size(args[2])] += 1
+            elif name == ALL_REDUCE:  # (tensors, group, ...)
                 self.bytes[name] += sum(t.numel() * t.element_size() for t in args[0])
+                self.group_sizes[name, _group_size(args[1])] += 1
         return func(*args, **(kwargs or {}))
 
 

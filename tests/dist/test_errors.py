@@ -45,10 +45,13 @@ def check_misuse_errors() -> None:
             mesh=init_device_mesh("cpu", (1, 1, dist.get_world_size())))
     _raises(ValueError, "a 2-D mesh needs names", fully_shard, MLP(),
             mesh=init_device_mesh("cpu", (1, dist.get_world_size())))
-    _raises(TypeError, "reshard_after_forward must be a bool or None, got str 'yes'",
-            fully_shard, MLP(), reshard_after_forward="yes")
-    _raises(NotImplementedError, "reshard_after_forward=2", fully_shard, MLP(),
-            reshard_after_forward=2)
+    _raises(TypeError, "reshard_after_forward must be a bool, None or an int group size, "
+            "got str 'yes'", fully_shard, MLP(), reshard_after_forward="yes")
+    _raises(ValueError, r"fully_shard\(MLP\): reshard_after_forward=3 must divide the mesh's "
+            "shard size 2", fully_shard, MLP(), reshard_after_forward=3)
+    annotated = fully_shard(MLP())
+    _raises(ValueError, r"FSDPMLP: reshard_after_forward=0 must divide",
+            annotated.set_reshard_after_forward, 0)
     _raises(ValueError, r"MixedPrecisionPolicy.param_dtype=torch.int8 is not a floating-point",
             fully_shard, MLP(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
     _raises(TypeError, "mp_policy must be fsdp_compose.MixedPrecisionPolicy", fully_shard,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -139,3 +140,82 @@ def check_hsdp_accumulation_without_all_reduce() -> None:
 
 def test_hsdp_accumulation_without_all_reduce(ranks):
     ranks.run(check_hsdp_accumulation_without_all_reduce, world_size=4)
+
+
+def check_reshard_to_smaller_group() -> list[tuple[float, float]]:
+    return [
+        tuple(train_and_compare(MLP, mse_loss, feature_batch, reshard_after_forward=2)),
+        tuple(train_and_compare(Transformer, lm_loss, token_batch, reshard_after_forward=2)),
+    ]
+
+
+def test_reshard_after_forward_to_a_smaller_group_trains_like_torch(ranks):
+    for errors in ranks.run(check_reshard_to_smaller_group, world_size=4):
+        assert all(vs_torch == 0.0 for _, vs_torch in errors), errors
+
+
+def check_smaller_group_collectives() -> tuple[Counter, Counter]:
+    """Group sizes of the all-gathers: forward over all 4 ranks, backward over pairs."""
+    torch.manual_seed(0)
+    model = MLP()
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=2)
+    fully_shard(model)
+    x = feature_batch(0, 2)
+    sizes = []
+    for phase in ("forward", "backward"):
+        with CollectiveCounter() as comms:
+            if phase == "forward":
+                loss = mse_loss(model, x)
+            else:
+                loss.backward()
+        sizes.append(comms.group_sizes)
+    return tuple(sizes)
+
+
+def test_reshard_after_forward_int_gathers_backward_in_the_smaller_group(ranks):
+    forward, backward = ranks.run(check_smaller_group_collectives, world_size=4)[0]
+    assert forward == {(ALL_GATHER, 4): 4}
+    assert backward == {(ALL_GATHER, 2): 4, (REDUCE_SCATTER, 4): 4}
+
+
+def check_int_edge_values() -> list[int]:
+    """1 is False (with a warning) and the shard size is True: count backward gathers."""
+    counts = []
+    for value in (1, 4, 2):
+        torch.manual_seed(0)
+        model = MLP()
+        for layer in model.layers:
+            if value == 1:
+                with pytest.warns(UserWarning, match="reshard_after_forward=1 keeps the whole"):
+                    fully_shard(layer, reshard_after_forward=1)
+            else:
+                fully_shard(layer, reshard_after_forward=value)
+        fully_shard(model)
+        loss = mse_loss(model, feature_batch(0, 2))
+        with CollectiveCounter() as comms:
+            loss.backward()
+        counts.append(comms.counts[ALL_GATHER])
+    return counts
+
+
+def test_reshard_after_forward_1_and_shard_size_mean_false_and_true(ranks):
+    assert ranks.run(check_int_edge_values, world_size=4)[0] == [0, 4, 4]
+
+
+def check_setter_switches_to_smaller_group() -> Counter:
+    torch.manual_seed(0)
+    model = MLP()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.set_reshard_after_forward(2)  # recurses; the root (no parameters) is unaffected
+    loss = mse_loss(model, feature_batch(0, 2))
+    with CollectiveCounter() as comms:
+        loss.backward()
+    return comms.group_sizes
+
+
+def test_set_reshard_after_forward_int(ranks):
+    backward = ranks.run(check_setter_switches_to_smaller_group, world_size=4)[0]
+    assert backward == {(ALL_GATHER, 2): 4, (REDUCE_SCATTER, 4): 4}

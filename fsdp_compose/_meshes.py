@@ -1,0 +1,70 @@
+"""The meshes fully_shard works on: the default one, and those derived from a user's mesh
+for replicate() and for reshard_after_forward=<int>."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def default_mesh(name: str) -> DeviceMesh:
+    """A 1-D mesh over every rank of the default process group, on the accelerator if any."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"fully_shard({name}): no default process group. Call "
+            "torch.distributed.init_process_group() first (torchrun sets up its environment), "
+            "or pass mesh=."
+        )
+    accelerator = torch.accelerator.current_accelerator()
+    device_type = accelerator.type if accelerator is not None else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's tensors live on for `mesh`."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+# Note [derived meshes]: building a DeviceMesh creates process groups, a step every rank
+# takes together. The derived meshes are cached per source mesh, so they are built once
+# rather than once per annotated module; every rank annotates in the same order, so every
+# rank hits or misses the cache alike.
+
+
+@functools.cache
+def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The (replicas, 1) mesh over a 1-D `mesh`'s ranks: HSDP whose shard group is one rank."""
+    return DeviceMesh(
+        mesh.device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard")
+    )
+
+
+@functools.cache
+def post_forward_mesh(mesh: DeviceMesh, group_size: int) -> DeviceMesh:
+    """`mesh`'s ranks in rows of `group_size` consecutive shard ranks: dim 1 is the group a
+    unit reshards to after forward, and gathers in again before backward."""
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, group_size))
+
+
+def resolve_reshard_after_forward(
+    value: bool | int | None, mesh: DeviceMesh
+) -> tuple[bool | None, DeviceMesh | None]:
+    """(reshard after forward?, the smaller post-forward mesh if any) for a checked value.
+    An int of 1 keeps everything unsharded (False); the shard size itself is True."""
+    if value is None or isinstance(value, bool):
+        return value, None
+    if value == 1:
+        warnings.warn(
+            "reshard_after_forward=1 keeps the whole parameters after forward, as False does; "
+            "for freeing them (True) pass a bool.", stacklevel=3,
+        )
+        return False, None
+    if value == mesh.size(-1):
+        return True, None
+    return True, post_forward_mesh(mesh, value)
