@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from fsdp_compose import clip_grad_norm_
-from tests.dist.parity import three_models
+from tests.dist.parity import make_mesh, three_models
 from tests.models import MLP, feature_batch
 
 
@@ -39,6 +39,22 @@ def check_clip_on_a_1d_mesh() -> None:
 
 def test_clip_on_a_1d_mesh_matches_single_process(ranks):
     ranks.run(check_clip_on_a_1d_mesh, world_size=4)
+
+
+def check_clip_on_an_hsdp_model() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, ours, _ = three_models(MLP, make_mesh((2, world // 2)))
+    x = feature_batch(0, 2 * world)
+    mse_loss(ref, x).backward()
+    mse_loss(ours, x.chunk(world)[rank]).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    torch.testing.assert_close(clip_grad_norm_(ours.parameters(), 0.05), ref_norm)
+    for (fqn, p), ref_p in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad, msg=fqn)
+
+
+def test_clip_on_an_hsdp_model_matches_single_process(ranks):
+    ranks.run(check_clip_on_an_hsdp_model, world_size=4)
 
 
 def check_clip_across_meshes() -> None:
