@@ -2,6 +2,7 @@
 
 from ._clip import clip_grad_norm_
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._init import materialize
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._replicate import replicate
 
@@ -13,6 +14,7 @@ __all__ = [
     "UnshardHandle",
     "clip_grad_norm_",
     "fully_shard",
+    "materialize",
     "register_fsdp_forward_method",
     "replicate",
 ]

@@ -71,11 +71,6 @@ def check_options(
             f"fully_shard({name}): offload_policy must be fsdp_compose.OffloadPolicy or "
             f"CPUOffloadPolicy, got {type(offload_policy).__name__}"
         )
-    if type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError(
-            f"fully_shard({name}): {type(offload_policy).__name__} (CPU offload) is not "
-            "supported yet; use the default OffloadPolicy()."
-        )
     if shard_placement_fn is not None:
         raise NotImplementedError(
             f"fully_shard({name}): shard_placement_fn (sharding on a dim other than 0) is "
@@ -166,13 +161,7 @@ def check_params(
                 f"fully_shard({name}): parameter {fqn!r} is a scalar and cannot be sharded on "
                 "dim 0. Give it shape (1,), or pass it in ignored_params to keep it whole."
             )
-        if param.device.type == "meta":
-            raise NotImplementedError(
-                f"fully_shard({name}): parameter {fqn!r} is on the meta device; deferred "
-                "initialisation is not supported yet. Materialise the model first "
-                "(module.to_empty(device=...) and reset_parameters())."
-            )
-        if param.device.type != device.type and param.device.type != "cpu":
+        if param.device.type not in (device.type, "cpu", "meta"):
             raise ValueError(
                 f"fully_shard({name}): parameter {fqn!r} is on {param.device} but the mesh is "
                 f"on {device.type}. Build the mesh on the parameters' device type, or move "
@@ -189,9 +178,10 @@ def check_params(
 
 
 def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
-    """Buffers follow their parameters to the mesh's device (parameters move by sharding)."""
+    """Buffers follow their parameters to the mesh's device (parameters move by sharding);
+    meta buffers wait for `materialize`."""
     for m in modules:
         for module in m.modules():
             for attr, buffer in module._buffers.items():
-                if buffer is not None and buffer.device != device:
+                if buffer is not None and buffer.device != device and not buffer.is_meta:
                     module._buffers[attr] = buffer.to(device)

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ._collectives import all_reduce
+from ._meshes import mesh_device
 
 
 def clip_grad_norm_(
@@ -62,6 +63,8 @@ def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         else:
             stacked = torch.stack(norms)
             part = stacked.max() if is_max else stacked.pow(norm_type).sum()
+        if dims:
+            part = part.to(mesh_device(mesh))  # CPU-offloaded gradients reduce on the mesh's device
         for dim in dims:
             all_reduce(part, ReduceOp.MAX if is_max else ReduceOp.SUM, mesh.get_group(dim))
         parts.append(part)

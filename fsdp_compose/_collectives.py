@@ -1,5 +1,6 @@
 """Every collective fsdp_compose sends: one all-gather of a unit's padded shards, one
-reduce-scatter of its padded gradients. Nothing else in the package calls torch.distributed
+reduce-scatter of its padded gradients (an all-reduce across HSDP replicas; broadcasts when
+syncing from the first rank, all-reduces of norms when clipping). Nothing else in the package calls torch.distributed
 collectives, so this file shows all we put on the wire."""
 
 from __future__ import annotations
@@ -80,3 +81,9 @@ def reduce_scatter(
 def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType, group: ProcessGroup) -> None:
     """Reduce `tensor` in place across `group`."""
     dist.all_reduce(tensor, op=op, group=group)
+
+
+def broadcast(tensor: torch.Tensor, group: ProcessGroup) -> None:
+    """Overwrite `tensor` with the group's first rank's."""
+    if group.size() > 1:
+        dist.broadcast(tensor, group=group, group_src=0)

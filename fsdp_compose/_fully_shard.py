@@ -17,9 +17,10 @@ from ._checks import (
     check_reshard_after_forward, collect_params, move_buffers,
 )
 from ._hooks import STATE_ATTR, UnitState, state_of
+from ._init import sync_from_first_rank, unit_buffers
 from ._meshes import default_mesh, mesh_device, resolve_reshard_after_forward
 from ._param import ShardedParam
-from ._policies import MixedPrecisionPolicy, OffloadPolicy
+from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._unit import Unit
 
 class FSDPModule:
@@ -205,6 +206,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
+    sync_module_states: bool = False,
 ) -> FSDPModule | list[FSDPModule]:
     """Shard `module`'s parameters over `mesh`; gather them only while it computes.
 
@@ -221,7 +223,13 @@ def fully_shard(
     again for backward; None means True, except for the root unit (the first to run
     forward), which keeps them. An int k (dividing the shard size, e.g. the ranks of one
     host) keeps them sharded over groups of k consecutive ranks, so backward gathers there. `mp_policy`: the dtypes the unit gathers, computes and
-    reduces in. `ignored_params` stay as they are: not sharded, not reduced.
+    reduces in. `offload_policy=CPUOffloadPolicy()` keeps the shards, their gradients and so
+    the optimizer step in CPU memory. `ignored_params` stay as they are: not sharded, not
+    reduced. A model built on the meta device is annotated as is, then given values by
+    `materialize`; a model on CPU is moved to the mesh's device one shard at a time.
+
+    Ours, not torch's: `sync_module_states=True` first overwrites the unit's parameters and
+    buffers with those of the mesh's first rank, so every rank starts identical.
     Arguments are checked before anything changes, so a call that raises leaves `module`
     untouched.
     """
@@ -237,12 +245,17 @@ def fully_shard(
     collected = collect_params(modules, name, set(ignored_params or ()))
     check_params(name, collected, device, mp_policy)
 
+    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
+    if sync_module_states:
+        tensors = [p for _, p, _ in collected] + unit_buffers(modules)
+        sync_from_first_rank(tensors, mesh, device)
     params = [
-        ShardedParam(fqn, p, owners, mesh, device, mp_policy) for fqn, p, owners in collected
+        ShardedParam(fqn, p, owners, mesh, device, mp_policy, offload)
+        for fqn, p, owners in collected
     ]
     move_buffers(modules, device)
     reshard, post_forward_mesh = resolve_reshard_after_forward(reshard_after_forward, mesh)
-    unit = Unit(params, mesh)
+    unit = Unit(params, mesh, device)
     unit.set_post_forward_mesh(post_forward_mesh)
     state = UnitState(
         modules, unit, reshard, mp_policy=mp_policy, label=name,

@@ -124,6 +124,15 @@ class UnitState:
                 )
             state.label = fqn or f"<root {type(module).__name__}>"
             states.append(state)
+        for state in states:
+            state.unit.adopt_registered()
+            if meta := [p.fqn for p in state.unit.params if p.is_meta]:
+                raise RuntimeError(
+                    f"fsdp_compose: unit {state.label} ran forward with parameters on the meta "
+                    f"device ({', '.join(meta)}). Initialise them first: "
+                    "fsdp_compose.materialize(model), or model.to_empty(device=...) and your "
+                    "own initialisation."
+                )
         ctx = IterContext(root=self, states=states)
         for state in states:
             state.ctx = ctx

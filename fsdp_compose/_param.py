@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._policies import MixedPrecisionPolicy
+from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ._sharding import ShardLayout, chunk_range, contiguous_stride, shard_layout
 
 
@@ -20,6 +20,10 @@ class ShardedParam:
     `param_dtype` that autograd sees during forward and backward; it is a view of
     `_unsharded_buffer` (row r: rank r's padded shard), whose storage is allocated only
     while the unit is unsharded. Gradients are reduced in `reduce_dtype`.
+
+    With CPU offload the padded shard (and the sharded `.grad`) live in CPU memory, pinned
+    when an accelerator is there; the unit copies them to the device to gather. A parameter
+    annotated on the meta device keeps meta buffers until `materialize`.
     """
 
     def __init__(
@@ -30,30 +34,62 @@ class ShardedParam:
         mesh: DeviceMesh,
         device: torch.device,
         mp_policy: MixedPrecisionPolicy,
+        offload: CPUOffloadPolicy | None = None,
     ) -> None:
         self.fqn = fqn
-        self.param_dtype = mp_policy.param_dtype or param.dtype
-        self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
+        self.owners = owners  # every (module, attribute) the parameter is registered as
+        self._mp_policy = mp_policy
+        self._device = device  # where the unit computes
+        # With CPU offload the shard (and so the optimizer step) lives in CPU memory.
+        self._shard_device = torch.device("cpu") if offload is not None else device
+        self._pin_memory = (
+            offload is not None and offload.pin_memory and torch.accelerator.is_available()
+        )
         # Gradients of backwards without reduction, summed in reduce_dtype when that is
         # wider than param_dtype (summing in place, autograd would keep param_dtype).
         self._accumulated_grad: torch.Tensor | None = None
-        self.owners = owners  # every (module, attribute) the parameter is registered as
         # The last mesh dim shards; a leading one (HSDP) replicates.
         shard_size, rank = mesh.size(-1), mesh.get_local_rank(mesh.ndim - 1)
         placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(0),)
         self.layout: ShardLayout = shard_layout(param.shape, shard_size)
-        local_shape = self.layout.local_shape(rank)
-        rows = chunk_range(param.shape[0], shard_size, rank)
-
-        self.padded_shard = torch.zeros(
-            self.layout.padded_shard_numel, dtype=param.dtype, device=device
-        )
-        self._local_shape = local_shape
-        local = self.padded_shard[: local_shape.numel()].view(local_shape)
-        local.copy_(param.detach()[rows.start : rows.stop])
+        self._local_shape = self.layout.local_shape(rank)
+        self._rows = chunk_range(param.shape[0], shard_size, rank)
         self._spec = (mesh, placements, self.layout.shape, contiguous_stride(self.layout.shape))
-        self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=param.requires_grad)
+        # reshard_after_forward=<int>: the layout over the smaller post-forward group, the
+        # rows this rank keeps of it, and (between forward and backward) the kept piece.
+        self._post_forward: tuple[ShardLayout, range] | None = None
+        self.post_forward_shard: torch.Tensor | None = None
+        self.sharded: nn.Parameter = None  # type: ignore[assignment]  # set by _store_shard
+        self._store_shard(param.detach()[self._rows.start : self._rows.stop], param.requires_grad)
 
+    def _store_shard(
+        self, local: torch.Tensor, requires_grad: bool, keep: nn.Parameter | None = None
+    ) -> None:
+        """Make `local` (this rank's rows) the shard: copy it into a fresh padded shard,
+        build the sharded parameter on it (as the object `keep`, if given, so optimizers
+        and modules holding it see the new data), and size the unsharded buffers to match.
+        A meta `local` stays on meta until `materialize`."""
+        on_meta = local.is_meta
+        self.padded_shard = torch.zeros(
+            self.layout.padded_shard_numel, dtype=local.dtype,
+            device=local.device if on_meta else self._shard_device,
+            pin_memory=self._pin_memory and not on_meta,
+        )
+        self._local = self.padded_shard[: self._local_shape.numel()].view(self._local_shape)
+        if not on_meta:
+            self._local.copy_(local)
+        sharded = nn.Parameter(self._as_dtensor(self._local), requires_grad=requires_grad)
+        if keep is not None:
+            torch.utils.swap_tensors(keep, sharded)
+            sharded = keep
+        self.sharded = sharded
+        self._local = _local_of(sharded)  # a detached alias of the view: Parameter() detaches
+        self.param_dtype = self._mp_policy.param_dtype or local.dtype
+        self.reduce_dtype = self._mp_policy.reduce_dtype or self.param_dtype
+        self._allocate_unsharded_buffer(local.device if on_meta else self._device)
+
+    def _allocate_unsharded_buffer(self, device: torch.device) -> None:
+        shard_size = self.layout.shard_size
         self._unsharded_buffer = torch.empty(
             shard_size * self.layout.padded_shard_numel, dtype=self.param_dtype, device=device
         )
@@ -64,19 +100,58 @@ class ShardedParam:
         self._gather_target = self._unsharded_buffer.data.view(shard_size, -1)
         self.unsharded = nn.Parameter(
             self._unsharded_buffer[: self.layout.numel].view(self.layout.shape),
-            requires_grad=param.requires_grad,
+            requires_grad=self.sharded.requires_grad,
         )
         self._free_unsharded()
-        # reshard_after_forward=<int>: the layout over the smaller post-forward group, the
-        # rows this rank keeps of it, and (between forward and backward) the kept piece.
-        self._post_forward: tuple[ShardLayout, range] | None = None
-        self.post_forward_shard: torch.Tensor | None = None
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
         mesh, placements, shape, stride = self._spec
         return DTensor.from_local(
             local, mesh, placements, run_check=False, shape=shape, stride=stride
         )
+
+    @property
+    def is_meta(self) -> bool:
+        return self.padded_shard.is_meta
+
+    def materialize(self, unsharded: torch.Tensor) -> None:
+        """Keep this rank's rows of `unsharded` (an initialised meta parameter) as the shard."""
+        self._store_shard(unsharded[self._rows.start : self._rows.stop], self.sharded.requires_grad)
+
+    def adopt_registered(self) -> None:
+        """Make what the module holds our shard again, if it changed behind our back:
+        `module.to_empty()` / `.to()` swap the sharded parameter's data, `load_state_dict(
+        assign=True)` or an assignment replace the parameter (a whole tensor is sharded)."""
+        module, attr = self.owners[0]
+        registered = module._parameters.get(attr)
+        if registered is self.unsharded:
+            return
+        if registered is self.sharded and _local_of(registered) is self._local:
+            return
+        if isinstance(registered, DTensor):
+            if (registered.device_mesh, tuple(registered.placements), registered.shape) != (
+                self._spec[0], self._spec[1], self.layout.shape
+            ):
+                raise ValueError(
+                    f"fsdp_compose: parameter {self.fqn!r} was replaced by a DTensor of shape "
+                    f"{tuple(registered.shape)} with {registered.placements} on "
+                    f"{registered.device_mesh}; expected shape {tuple(self.layout.shape)} with "
+                    f"{self._spec[1]} on {self._spec[0]}. Assign a tensor of the original "
+                    "shape (whole or sharded like the original)."
+                )
+            self._store_shard(_local_of(registered), registered.requires_grad, keep=registered)
+        elif isinstance(registered, torch.Tensor) and registered.shape == self.layout.shape:
+            whole = registered.detach()
+            self._store_shard(whole[self._rows.start : self._rows.stop], registered.requires_grad)
+        else:
+            found = "None" if registered is None else f"shape {tuple(registered.shape)}"
+            raise ValueError(
+                f"fsdp_compose: parameter {self.fqn!r} was replaced by {found}; expected "
+                f"shape {tuple(self.layout.shape)}. Assign a parameter of the original shape, "
+                "or annotate a freshly built module."
+            )
+        for module, attr in self.owners:
+            module._parameters[attr] = self.sharded
 
     def allocate_unsharded(self, from_post_forward: bool) -> torch.Tensor:
         """Give the unsharded data its storage; return where the all-gather result lands:
@@ -169,8 +244,14 @@ class ShardedParam:
     def accumulate_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient shard (flat, padded) to the sharded `.grad`."""
         local = padded_grad_shard[: self._local_shape.numel()].view(self._local_shape)
-        local = local.to(self.padded_shard.dtype)
+        local = local.to(self.padded_shard.device, self.padded_shard.dtype)  # offload: to CPU
         if self.sharded.grad is None:
             self.sharded.grad = self._as_dtensor(local)
         else:
             self.sharded.grad.to_local().add_(local)
+
+
+def _local_of(dtensor: DTensor) -> torch.Tensor:
+    # The local tensor itself: to_local() of a Parameter returns a fresh view, and identity
+    # is how we tell our shard from one that replaced it.
+    return dtensor._local_tensor

@@ -32,11 +32,10 @@ class Unit:
     piece of each parameter sharded over a smaller group, and the next unshard gathers there.
     """
 
-    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh) -> None:
+    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh, device: torch.device) -> None:
         self.params = params
-        self.param_dtype = params[0].param_dtype if params else None
-        self.reduce_dtype = params[0].reduce_dtype if params else None
         self.mesh = mesh
+        self.device = device  # where the unsharded parameters live
         self.group = mesh.get_group(mesh.ndim - 1)
         self.shard_size = mesh.size(-1)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
@@ -51,6 +50,19 @@ class Unit:
         self._pending_gather: _Gather | None = None
         self._post_forward_group: ProcessGroup | None = None
         self._post_forward_kept = False  # whether the params hold post-forward shards now
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.params[0].param_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.params[0].reduce_dtype
+
+    def adopt_registered(self) -> None:
+        """Take back parameters changed behind our back; see ShardedParam.adopt_registered."""
+        for p in self.params:
+            p.adopt_registered()
 
     def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
         """Reshard after forward to dim 1 of `mesh` (a smaller group), or fully if None."""
@@ -73,10 +85,11 @@ class Unit:
             for p in self.params:
                 p.post_forward_shard = None
         else:
+            self.adopt_registered()
             group, sizes = self.group, self._gather_sizes
             shards = torch.cat([p.padded_shard for p in self.params])  # copy-in: one flat send
-            if shards.dtype != self.param_dtype:
-                shards = shards.to(self.param_dtype)  # mixed precision: gather what computes
+            # Mixed precision gathers the dtype that computes; CPU offload gathers on the device.
+            shards = shards.to(self.device, self.param_dtype, non_blocking=True)
         gathered = shards.new_empty(group.size() * shards.numel())  # row r: rank r's shards
         work = all_gather(gathered, shards, group, async_op)
         self._pending_gather = _Gather(

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from fsdp_compose import MixedPrecisionPolicy, fully_shard
+from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 Shard = Callable[..., object]  # fully_shard or torch's, with the same signature
 
@@ -37,6 +38,9 @@ def torch_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
     policy = kwargs.get("mp_policy")
     if isinstance(policy, MixedPrecisionPolicy):
         kwargs = {**kwargs, "mp_policy": TorchMixedPrecisionPolicy(**dataclasses.asdict(policy))}
+    offload = kwargs.get("offload_policy")
+    if isinstance(offload, CPUOffloadPolicy):
+        kwargs = {**kwargs, "offload_policy": TorchCPUOffloadPolicy(**dataclasses.asdict(offload))}
     return kwargs
 
 

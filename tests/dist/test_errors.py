@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fsdp_compose import MixedPrecisionPolicy, fully_shard
 from tests.models import MLP, Transformer
 
 
@@ -56,12 +56,11 @@ def check_misuse_errors() -> None:
             fully_shard, MLP(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
     _raises(TypeError, "mp_policy must be fsdp_compose.MixedPrecisionPolicy", fully_shard,
             MLP(), mp_policy=TorchMixedPrecisionPolicy())
-    _raises(NotImplementedError, "CPUOffloadPolicy", fully_shard, MLP(),
-            offload_policy=CPUOffloadPolicy())
-
     with torch.device("meta"):
         on_meta = MLP()
-    _raises(NotImplementedError, r"'layers\.0\.weight' is on the meta device", fully_shard, on_meta)
+    fully_shard(on_meta)
+    _raises(RuntimeError, r"unit <root FSDPMLP> ran forward with parameters on the meta device "
+            r"\(layers\.0\.weight, .*fsdp_compose\.materialize\(model\)", on_meta, torch.ones(1, 8))
 
     mixed = MLP()
     mixed.layers[1].to(torch.float64)

@@ -21,11 +21,15 @@ AVG, SUM = ReduceOp.AVG, ReduceOp.SUM
 def test_fully_shard_signature_matches_torch():
     ours = inspect.signature(fully_shard).parameters
     theirs = inspect.signature(torch_fully_shard).parameters
-    assert list(ours) == list(theirs)
+    assert list(ours)[: len(theirs)] == list(theirs)
     for name, param in theirs.items():
         assert ours[name].kind == param.kind, name
         if name != "module":
             assert repr(ours[name].default) == repr(param.default), name
+    # What we add comes after, keyword-only, off by default.
+    extras = {name: p for name, p in ours.items() if name not in theirs}
+    assert list(extras) == ["sync_module_states"]
+    assert all(p.kind is p.KEYWORD_ONLY and p.default is False for p in extras.values())
 
 
 def test_fsdp_module_has_every_public_method_of_torch():
@@ -37,7 +41,7 @@ def test_fsdp_module_has_every_public_method_of_torch():
 def test_public_names():
     assert sorted(fsdp_compose.__all__) == [
         "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-        "UnshardHandle", "clip_grad_norm_", "fully_shard", "register_fsdp_forward_method", "replicate",
+        "UnshardHandle", "clip_grad_norm_", "fully_shard", "materialize", "register_fsdp_forward_method", "replicate",
     ]
 
 
