@@ -1,5 +1,6 @@
 """Fully sharded data parallel as a module annotation. Public: the names in __all__."""
 
+from ._checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from ._clip import clip_grad_norm_
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from ._init import materialize
@@ -13,8 +14,11 @@ __all__ = [
     "OffloadPolicy",
     "UnshardHandle",
     "clip_grad_norm_",
+    "export_safetensors",
     "fully_shard",
+    "load_checkpoint",
     "materialize",
     "register_fsdp_forward_method",
     "replicate",
+    "save_checkpoint",
 ]

@@ -1,6 +1,7 @@
 """Every collective fsdp_compose sends: one all-gather of a unit's padded shards, one
 reduce-scatter of its padded gradients (an all-reduce across HSDP replicas; broadcasts when
-syncing from the first rank, all-reduces of norms when clipping). Nothing else in the package calls torch.distributed
+syncing from the first rank, all-reduces of norms when clipping, barriers around
+checkpoint renames). Nothing else in the package calls torch.distributed
 collectives, so this file shows all we put on the wire."""
 
 from __future__ import annotations
@@ -87,3 +88,9 @@ def broadcast(tensor: torch.Tensor, group: ProcessGroup) -> None:
     """Overwrite `tensor` with the group's first rank's."""
     if group.size() > 1:
         dist.broadcast(tensor, group=group, group_src=0)
+
+
+def barrier() -> None:
+    """Wait for every rank (checkpoint files are renamed in between)."""
+    if dist.is_initialized():
+        dist.barrier()

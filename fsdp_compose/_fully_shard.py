@@ -21,6 +21,7 @@ from ._init import sync_from_first_rank, unit_buffers
 from ._meshes import default_mesh, mesh_device, resolve_reshard_after_forward
 from ._param import ShardedParam
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._state_dict import install_state_dict_hooks
 from ._unit import Unit
 
 class FSDPModule:
@@ -268,6 +269,7 @@ def fully_shard(
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _annotated_class(type(m))
     state.install_hooks()
+    install_state_dict_hooks(state)
     return module  # type: ignore[return-value]
 
 

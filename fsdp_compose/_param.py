@@ -118,6 +118,10 @@ class ShardedParam:
         """Keep this rank's rows of `unsharded` (an initialised meta parameter) as the shard."""
         self._store_shard(unsharded[self._rows.start : self._rows.stop], self.sharded.requires_grad)
 
+    def shard_of(self, whole: torch.Tensor) -> DTensor:
+        """This rank's rows of `whole` (a tensor of the unsharded shape), as a DTensor like ours."""
+        return self._as_dtensor(whole.detach()[self._rows.start : self._rows.stop])
+
     def adopt_registered(self) -> None:
         """Make what the module holds our shard again, if it changed behind our back:
         `module.to_empty()` / `.to()` swap the sharded parameter's data, `load_state_dict(
@@ -141,8 +145,7 @@ class ShardedParam:
                 )
             self._store_shard(_local_of(registered), registered.requires_grad, keep=registered)
         elif isinstance(registered, torch.Tensor) and registered.shape == self.layout.shape:
-            whole = registered.detach()
-            self._store_shard(whole[self._rows.start : self._rows.stop], registered.requires_grad)
+            self._store_shard(self.shard_of(registered).to_local(), registered.requires_grad)
         else:
             found = "None" if registered is None else f"shape {tuple(registered.shape)}"
             raise ValueError(
