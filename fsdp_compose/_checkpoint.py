@@ -73,7 +73,7 @@ def load_checkpoint(
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
-        staged = path.with_name(path.name + INCOMPLETE).exists()
+        staged = path.name.endswith(INCOMPLETE) or path.with_name(path.name + INCOMPLETE).exists()
         raise FileNotFoundError(
             f"load_checkpoint: {str(path)!r} is not a complete checkpoint (no .metadata)"
             + ("; a save into it was interrupted" if staged else "")
