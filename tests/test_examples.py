@@ -1,22 +1,74 @@
-"""Each example runs as documented, with its defaults, and its loss goes down."""
+"""Each example runs as documented, with its defaults, and its loss goes down; a rank killed
+mid-training resumes from the last checkpoint and ends bit-identical."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
 ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+TRAIN_GPT = str(ROOT / "examples" / "train_gpt.py")
 
 
 def test_train_gpt_loss_goes_down():
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "examples" / "train_gpt.py"), "--steps", "12"],
+        [*TORCHRUN, TRAIN_GPT, "--steps", "12"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-5000:]
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", result.stdout)]
     assert len(losses) == 12, result.stdout
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4: parent pid
+                found.append(int(entry))
+    return found
+
+
+def test_killed_rank_resumes_from_checkpoint_bit_identical(tmp_path):
+    args = ["--steps", "12", "--save-every", "3"]
+    uninterrupted = tmp_path / "uninterrupted.safetensors"
+    subprocess.run([*TORCHRUN, TRAIN_GPT, *args, "--export", str(uninterrupted)],
+                   check=True, capture_output=True, timeout=300, cwd=ROOT)
+
+    resumed = tmp_path / "resumed.safetensors"
+    job = subprocess.Popen(
+        [*TORCHRUN, "--max-restarts=1", TRAIN_GPT, *args, "--export", str(resumed),
+         "--checkpoint", str(tmp_path / "ckpt")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+    )
+    watchdog = threading.Timer(300, job.kill)
+    watchdog.start()
+    output, killed = [], None
+    for line in job.stdout:
+        output.append(line)
+        if killed is None and line.startswith("step   7"):
+            killed = _children(job.pid)[-1]  # a worker of the torchrun agent
+            os.kill(killed, signal.SIGKILL)
+    watchdog.cancel()
+    assert job.wait() == 0 and killed is not None, "".join(output)
+    text = "".join(output)
+    assert re.search(r"resumed from .* at step (6|9)\n", text), text
+
+    expected, got = load_file(uninterrupted), load_file(resumed)
+    assert sorted(got) == sorted(expected)
+    for key, value in got.items():
+        assert torch.equal(value, expected[key]), key
