@@ -3,8 +3,10 @@
     torchrun --nproc_per_node=2 examples/train_gpt.py                 # CPU, gloo
     torchrun --nproc_per_node=8 examples/train_gpt.py --dim 1024 --depth 24   # GPUs, NCCL
 
-    # Checkpoint every 5 steps and resume from the last one after a failure:
-    torchrun --nproc_per_node=2 --max-restarts=3 examples/train_gpt.py --checkpoint ckpt
+    # Checkpoint every 5 steps and resume from the last one after a failure (the variable
+    # works around pytorch/pytorch#135712, stale peer addresses after a restart):
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 \
+        examples/train_gpt.py --checkpoint ckpt
 
 The data is synthetic and learnable (each sequence counts upward from a random token), so
 the loss falls within a few steps. Each step's batches depend only on the step and rank, so

@@ -43,6 +43,11 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _kill_all(pid: int) -> None:
+    for process in [*_children(pid), pid]:
+        os.kill(process, signal.SIGKILL)
+
+
 def test_killed_rank_resumes_from_checkpoint_bit_identical(tmp_path):
     args = ["--steps", "12", "--save-every", "3"]
     uninterrupted = tmp_path / "uninterrupted.safetensors"
@@ -54,8 +59,12 @@ def test_killed_rank_resumes_from_checkpoint_bit_identical(tmp_path):
         [*TORCHRUN, "--max-restarts=1", TRAIN_GPT, *args, "--export", str(resumed),
          "--checkpoint", str(tmp_path / "ckpt")],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+        # Workers sharing the agent's rendezvous store can read a dead peer's address after
+        # a restart (pytorch/pytorch#135712); a store of their own per attempt avoids it.
+        env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
     )
-    watchdog = threading.Timer(300, job.kill)
+    # If the job hangs, kill the workers too: they hold the pipe the loop below reads.
+    watchdog = threading.Timer(300, _kill_all, [job.pid])
     watchdog.start()
     output, killed = [], None
     for line in job.stdout:
