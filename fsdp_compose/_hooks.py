@@ -40,7 +40,6 @@ _NEXT = {
     # its reduction; it is unsharded and reduced once more (grads accumulate correctly).
     Phase.POST_BACKWARD: {Phase.PRE_BACKWARD},
 }
-_IN_BACKWARD = (Phase.PRE_BACKWARD, Phase.POST_BACKWARD)
 
 
 def state_of(module: nn.Module) -> UnitState | None:
@@ -84,6 +83,8 @@ class UnitState:
         for module in self.modules:
             module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self.post_forward)
+            # Runs after post_forward, and also when forward raised (post_forward did not).
+            module.register_forward_hook(self._after_forward, always_call=True)
 
     def owned_before_sharding(self, param: nn.Parameter) -> bool:
         ref = self.original_params.get(id(param))
@@ -146,11 +147,15 @@ class UnitState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         self.lazy_init()
-        if self.phase in _IN_BACKWARD:
+        if _in_backward():
             # Activation checkpointing re-runs forward inside backward: only make sure the
             # parameters are there; the pre-backward hook owns this unit's schedule.
             self._unshard()
             return self._cast_inputs(args, kwargs)
+        if self.ctx.final_callback_queued:
+            # The last backward raised before it finished: forget it, keep what earlier
+            # backwards accumulated, and start this iteration from a clean state.
+            self.ctx.root.reset_iter_state()
         if self.phase is Phase.IDLE:
             self._modules_to_run = set(self.modules)
             if self.ctx.forward_root is None:
@@ -170,7 +175,7 @@ class UnitState:
         return _cast_floating((args, kwargs), self.mp_policy.param_dtype)
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self.phase in _IN_BACKWARD:
+        if _in_backward():
             return self._cast_output(output)  # recomputation: see pre_forward
         self._modules_to_run.discard(module)
         self._register_pre_backward(output)
@@ -188,6 +193,19 @@ class UnitState:
                     state._register_pre_backward(output)
                     state._finish_forward()
         return output
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """If `module`'s forward raised, undo what its pre-hook did; if it was the forward
+        enclosing the others, undo the whole iteration's forward."""
+        if _in_backward() or self.phase is not Phase.FORWARD or module not in self._modules_to_run:
+            return  # post_forward ran, or this is not a forward of ours in progress
+        if self.ctx.forward_root is self:
+            self.ctx.root.reset_iter_state()
+        else:
+            self._modules_to_run.discard(module)
+            if not self._modules_to_run:
+                self.unit.reshard()
+                self.phase = Phase.IDLE
 
     def _cast_output(self, output: Any) -> Any:
         if self.mp_policy.output_dtype is None:
@@ -244,9 +262,7 @@ class UnitState:
 
     def _reduce_and_reshard(self) -> None:
         if self.requires_gradient_sync:
-            self.unit.reduce_grads()
-        else:
-            self.unit.stash_grads()
+            self.unit.reduce_grads()  # without sync, the gradients wait in unsharded form
         if self.reshard_after_backward:
             self.unit.reshard()
 
@@ -268,19 +284,28 @@ class UnitState:
                     state.unit.reshard()
             state.phase = Phase.IDLE
             state._pending_post_backward = 0
+        for state in self.ctx.states:  # see Note [gradients per backward] in _param.py
+            state.unit.commit_backward()
         self.ctx.final_callback_queued = False
 
     def reset_iter_state(self) -> None:
-        """Forget the current iteration: every unit IDLE and resharded, nothing pending."""
+        """Forget the current iteration: every unit IDLE and resharded, the gradients of an
+        unfinished backward dropped (those of finished ones kept), nothing pending."""
         states = self.ctx.states if self.ctx is not None else [self]
         for state in states:
             state.unit.reshard()
+            state.unit.discard_backward()
             state.phase = Phase.IDLE
             state._modules_to_run.clear()
             state._pending_post_backward = 0
         if self.ctx is not None:
             self.ctx.forward_root = None
             self.ctx.final_callback_queued = False
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

@@ -45,9 +45,10 @@ class ShardedParam:
         self._pin_memory = (
             offload is not None and offload.pin_memory and torch.accelerator.is_available()
         )
-        # Gradients of backwards without reduction, summed in reduce_dtype when that is
-        # wider than param_dtype (summing in place, autograd would keep param_dtype).
+        # See Note [gradients per backward].
         self._accumulated_grad: torch.Tensor | None = None
+        self._pending_shard: torch.Tensor | None = None
+        self._accumulated_spent = False  # whether a reduction of this backward included it
         # The last mesh dim shards; a leading one (HSDP) replicates.
         shard_size, rank = mesh.size(-1), mesh.get_local_rank(mesh.ndim - 1)
         placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(0),)
@@ -209,28 +210,54 @@ class ShardedParam:
             module._parameters[name] = self.sharded
         self._free_unsharded()
 
+    # Note [gradients per backward]: a backward's gradients count only once it has finished.
+    # Until then autograd writes this backward's unsharded gradient into `unsharded.grad`,
+    # apart from `_accumulated_grad`, the sum of earlier backwards without reduction, and the
+    # reduced shard waits in `_pending_shard`. The end of backward commits them; a backward
+    # that raised is discarded, leaving what earlier backwards accumulated as it was.
+
     @property
     def has_grad(self) -> bool:
         return self.unsharded.grad is not None or self._accumulated_grad is not None
 
-    def stash_grad(self) -> None:
-        """Keep this backward's gradient for a later reduction, summed in reduce_dtype."""
-        grad = self.unsharded.grad
-        if grad is None or grad.dtype == self.reduce_dtype:
-            return  # autograd keeps accumulating into .grad in place
-        self.unsharded.grad = None
-        if self._accumulated_grad is None:
-            self._accumulated_grad = grad.to(self.reduce_dtype)
-        else:
-            self._accumulated_grad.add_(grad)
-
     def take_grad(self) -> torch.Tensor | None:
-        """The unsharded gradient summed since the last reduction; clears it."""
-        grad, accumulated = self.unsharded.grad, self._accumulated_grad
-        self.unsharded.grad = self._accumulated_grad = None
+        """For a reduction: the unsharded gradient summed over the backwards since the last
+        one. Takes this backward's gradient; the earlier sum stays until `commit`."""
+        grad = self.unsharded.grad
+        accumulated = None if self._accumulated_spent else self._accumulated_grad
+        self.unsharded.grad = None
+        self._accumulated_spent = True  # a second reduction in this backward excludes it
         if accumulated is None:
             return grad
-        return accumulated if grad is None else accumulated.add_(grad)
+        return accumulated if grad is None else accumulated + grad
+
+    def hold_reduced(self, padded_grad_shard: torch.Tensor) -> None:
+        """Keep this rank's reduced gradient shard (flat, padded) until `commit`."""
+        pending = self._pending_shard
+        self._pending_shard = padded_grad_shard if pending is None else pending + padded_grad_shard
+
+    def commit(self) -> None:
+        """The backward finished: its reduced shard joins the sharded `.grad` (and the
+        accumulated sum it included is spent), or its unreduced gradient joins that sum,
+        in reduce_dtype when that is wider (summing in place, autograd would keep
+        param_dtype)."""
+        if self._pending_shard is not None:
+            self._accumulate_grad(self._pending_shard)
+            self._pending_shard = None
+        if self._accumulated_spent:
+            self._accumulated_grad, self._accumulated_spent = None, False
+        grad = self.unsharded.grad
+        if grad is not None:
+            self.unsharded.grad = None
+            if self._accumulated_grad is None:
+                self._accumulated_grad = grad.to(self.reduce_dtype)
+            else:
+                self._accumulated_grad.add_(grad)
+
+    def discard(self) -> None:
+        """Forget what a backward that did not finish left behind."""
+        self.unsharded.grad = None
+        self._pending_shard, self._accumulated_spent = None, False
 
     def write_grad_rows(self, grad: torch.Tensor, rows: torch.Tensor) -> None:
         """Copy the unsharded `grad` into `rows` (shard_size, padded_shard_numel), padded."""
@@ -244,7 +271,7 @@ class ShardedParam:
             blocks[full, rest:].zero_()
             blocks[full + 1 :].zero_()
 
-    def accumulate_grad(self, padded_grad_shard: torch.Tensor) -> None:
+    def _accumulate_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient shard (flat, padded) to the sharded `.grad`."""
         local = padded_grad_shard[: self._local_shape.numel()].view(self._local_shape)
         local = local.to(self.padded_shard.device, self.padded_shard.dtype)  # offload: to CPU

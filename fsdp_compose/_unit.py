@@ -46,6 +46,9 @@ class Unit:
         # HSDP without all-reduce: each parameter's reduce-scattered gradient shard, summed
         # until a backward all-reduces again (gradient accumulation across replicas).
         self._partial_grads: dict[ShardedParam, torch.Tensor] = {}
+        # This backward's changes to them, applied when it finishes.
+        self._pending_partials: dict[ShardedParam, torch.Tensor] = {}
+        self._spent_partials: set[ShardedParam] = set()
         self._gather_sizes = [p.layout.padded_shard_numel for p in params]
         self._pending_gather: _Gather | None = None
         self._post_forward_group: ProcessGroup | None = None
@@ -137,10 +140,20 @@ class Unit:
     def has_unsharded_grads(self) -> bool:
         return any(p.has_grad for p in self.params)
 
-    def stash_grads(self) -> None:
-        """Keep this backward's unsharded gradients for the next reduction."""
+    def commit_backward(self) -> None:
+        """The backward finished: its gradients count. See Note [gradients per backward]."""
         for p in self.params:
-            p.stash_grad()
+            p.commit()
+        for p in self._spent_partials:
+            self._partial_grads.pop(p, None)
+        self._partial_grads.update(self._pending_partials)
+        self._spent_partials, self._pending_partials = set(), {}
+
+    def discard_backward(self) -> None:
+        """The backward did not finish: forget its gradients, keep the earlier ones."""
+        for p in self.params:
+            p.discard()
+        self._spent_partials, self._pending_partials = set(), {}
 
     def reduce_grads(self) -> None:
         """Average the unsharded gradients over the mesh into the sharded `.grad`s.
@@ -152,7 +165,7 @@ class Unit:
         with_grad = [
             (p, g if g is not None else p.unsharded.new_zeros(p.layout.shape))
             for p in self.params
-            if (g := p.take_grad()) is not None or p in self._partial_grads
+            if (g := p.take_grad()) is not None or self._partial_grad_exists(p)
         ]
         if not with_grad:
             return
@@ -172,13 +185,26 @@ class Unit:
         shards = [(p, shard) for (p, _), shard in zip(with_grad, reduced.split(sizes))]
         if self.replicate_group is not None:
             for p, shard in shards:
-                if (partial := self._partial_grads.pop(p, None)) is not None:
+                if (partial := self._partial_grad(p)) is not None:
                     shard.add_(partial)
             if not self.requires_all_reduce:
-                self._partial_grads.update(shards)
+                self._pending_partials.update(shards)
                 return
             all_reduce(reduced, reduction.all_reduce_op, self.replicate_group)
+            self._spent_partials.update(p for p, _ in shards)
         if reduction.post_divide is not None:
             reduced.div_(reduction.post_divide)
         for p, shard in shards:
-            p.accumulate_grad(shard)
+            p.hold_reduced(shard)
+
+    def _partial_grad_exists(self, p: ShardedParam) -> bool:
+        return p in self._pending_partials or (
+            p in self._partial_grads and p not in self._spent_partials
+        )
+
+    def _partial_grad(self, p: ShardedParam) -> torch.Tensor | None:
+        """HSDP without all-reduce: p's reduce-scattered gradient summed so far, including
+        an earlier reduction in this backward, but not one an all-reduce already spent."""
+        if p in self._pending_partials:
+            return self._pending_partials.pop(p)
+        return None if p in self._spent_partials else self._partial_grads.get(p)

@@ -1,0 +1,123 @@
+"""Failed steps recover without a call: an exception in forward or backward leaves every unit
+resharded, drops the failed backward's gradients, keeps earlier micro-batches' gradients,
+and the next steps train exactly as if the failure had not happened."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_compose import fully_shard
+from tests.dist.parity import full, make_mesh, per_block
+from tests.models import Transformer, lm_loss, token_batch
+
+
+class Injected(Exception):
+    pass
+
+
+def raise_in_forward(model: nn.Module) -> None:
+    """Make the next forward raise inside the second block (after the first ran)."""
+    def fail(*_: object) -> None:
+        handle.remove()
+        raise Injected("forward")
+    handle = model.blocks[1].fc1.register_forward_hook(fail)
+
+
+def raise_in_backward(model: nn.Module) -> None:
+    """Make the next backward raise once the last block's backward is done (the head,
+    the root and the last block have reduced by then), before the first block's."""
+    def register(_: nn.Module, __: object, output: torch.Tensor) -> None:
+        handle.remove()
+        output.register_hook(lambda _: (_ for _ in ()).throw(Injected("backward")))
+    handle = model.blocks[0].register_forward_hook(register)
+
+
+def check_failed_steps_recover(mesh_shape: tuple[int, ...]) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = Transformer(depth=3)
+    model = copy.deepcopy(ref)
+    mesh = make_mesh(mesh_shape)
+    per_block(model, lambda m, **kw: fully_shard(m, mesh=mesh))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def micro_batch(step: int, sync: bool, fail: str | None = None) -> None:
+        """One micro-batch on ours (maybe failing) and, unless failing, on the reference."""
+        tokens = token_batch(step, 2 * world)
+        model.set_requires_gradient_sync(sync)
+        if fail == "forward":
+            raise_in_forward(model)
+        if fail == "backward":
+            raise_in_backward(model)
+        with pytest.raises(Injected) if fail else contextlib.nullcontext():
+            lm_loss(model, tokens.chunk(world)[rank]).backward()
+        if fail == "forward":  # resharded at once; after a backward, at the next forward
+            assert all(isinstance(p, DTensor) for p in model.parameters())
+        if fail:
+            return
+        lm_loss(ref, tokens).backward()
+
+    def optimizer_step() -> None:
+        for o in (optim, ref_optim):
+            o.step()
+            o.zero_grad()
+        ref_params = dict(ref.named_parameters())
+        for fqn, p in model.named_parameters():
+            torch.testing.assert_close(full(p), ref_params[fqn], msg=fqn)
+
+    # (failures at these micro-batches, sync flags): every pattern ends in a synced step.
+    schedules = [
+        [(None, True)],
+        [("forward", True), (None, True)],
+        [("backward", True), (None, True)],
+        [(None, False), ("forward", False), (None, True)],
+        [(None, False), ("backward", False), (None, False), (None, True)],
+        [(None, False), ("backward", True), (None, True)],  # sync backward fails mid-way
+    ]
+    step = 0
+    for schedule in schedules:
+        for fail, sync in schedule:
+            micro_batch(step, sync, fail)
+            step += 0 if fail else 1
+        optimizer_step()
+
+
+def test_failed_steps_recover_full_sharding(ranks):
+    ranks.run(check_failed_steps_recover, world_size=2, mesh_shape=(2,))
+
+
+def test_failed_steps_recover_hsdp(ranks):
+    ranks.run(check_failed_steps_recover, world_size=4, mesh_shape=(2, 2))
+
+
+def check_reset_iter_state_is_safe_any_time() -> None:
+    torch.manual_seed(0)
+    ref = Transformer()
+    model = copy.deepcopy(ref)
+    per_block(model, fully_shard)
+    model.reset_iter_state()  # before the first forward
+    model.unshard()
+    model.reset_iter_state()  # with the root unsharded by hand
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    loss = lm_loss(model, token_batch(0, 2))  # forward done, backward not started
+    model.reset_iter_state()
+    del loss
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens = token_batch(1, 2 * world)
+    lm_loss(model, tokens.chunk(world)[rank]).backward()
+    lm_loss(ref, tokens).backward()
+    ref_params = dict(ref.named_parameters())
+    for fqn, p in model.named_parameters():
+        torch.testing.assert_close(full(p.grad), ref_params[fqn].grad, msg=fqn)
+
+
+def test_reset_iter_state_is_safe_any_time(ranks):
+    ranks.run(check_reset_iter_state_is_safe_any_time, world_size=2)
