@@ -6,6 +6,8 @@ collectives, so this file shows all we put on the wire."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -94,3 +96,17 @@ def barrier() -> None:
     """Wait for every rank (checkpoint files are renamed in between)."""
     if dist.is_initialized():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def explain_failure(unit: str, collective: str, ranks: int) -> Iterator[None]:
+    """Say which unit and collective a failed (e.g. timed-out) collective belonged to."""
+    try:
+        yield
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"fsdp_compose: the {collective} of unit {unit} over {ranks} ranks failed on "
+            f"rank {dist.get_rank()}: {error}\nAnother rank probably raised or stopped before "
+            "this collective: look for its error. How long a rank waits is the process "
+            "group's timeout: init_process_group(..., timeout=datetime.timedelta(minutes=...))."
+        ) from error

@@ -123,7 +123,7 @@ class UnitState:
                     f"{type(self.modules[0]).__name__}. Run forward through the outermost "
                     "annotated module first."
                 )
-            state.label = fqn or f"<root {type(module).__name__}>"
+            state.label = state.unit.label = fqn or f"<root {type(module).__name__}>"
             states.append(state)
         for state in states:
             state.unit.adopt_registered()

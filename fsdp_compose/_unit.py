@@ -8,7 +8,9 @@ import torch
 from torch.distributed import ProcessGroup, Work
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._collectives import all_gather, all_reduce, grad_reduction, reduce_scatter
+from ._collectives import (
+    all_gather, all_reduce, explain_failure, grad_reduction, reduce_scatter,
+)
 from ._param import ShardedParam
 
 
@@ -34,6 +36,7 @@ class Unit:
 
     def __init__(self, params: list[ShardedParam], mesh: DeviceMesh, device: torch.device) -> None:
         self.params = params
+        self.label = "<not run yet>"  # the module's fqn under its root, set at the first forward
         self.mesh = mesh
         self.device = device  # where the unsharded parameters live
         self.group = mesh.get_group(mesh.ndim - 1)
@@ -94,7 +97,8 @@ class Unit:
             # Mixed precision gathers the dtype that computes; CPU offload gathers on the device.
             shards = shards.to(self.device, self.param_dtype, non_blocking=True)
         gathered = shards.new_empty(group.size() * shards.numel())  # row r: rank r's shards
-        work = all_gather(gathered, shards, group, async_op)
+        with explain_failure(self.label, "all-gather", group.size()):
+            work = all_gather(gathered, shards, group, async_op)
         self._pending_gather = _Gather(
             gathered, work, group.size(), sizes, group is not self.group
         )
@@ -108,7 +112,8 @@ class Unit:
         gather = self._pending_gather
         self._pending_gather = None
         if gather.work is not None:
-            gather.work.wait()
+            with explain_failure(self.label, "all-gather", gather.rows):
+                gather.work.wait()
         torch.split_with_sizes_copy(
             gather.gathered.view(gather.rows, -1),
             gather.sizes,
@@ -181,7 +186,8 @@ class Unit:
             self.shard_size, replicas, self.reduce_dtype, self.gradient_divide_factor,
             self.force_sum_reduction,
         )
-        reduce_scatter(reduced, grads.view(-1), self.group, reduction)
+        with explain_failure(self.label, "reduce-scatter", self.shard_size):
+            reduce_scatter(reduced, grads.view(-1), self.group, reduction)
         shards = [(p, shard) for (p, _), shard in zip(with_grad, reduced.split(sizes))]
         if self.replicate_group is not None:
             for p, shard in shards:
@@ -190,7 +196,8 @@ class Unit:
             if not self.requires_all_reduce:
                 self._pending_partials.update(shards)
                 return
-            all_reduce(reduced, reduction.all_reduce_op, self.replicate_group)
+            with explain_failure(self.label, "all-reduce", replicas):
+                all_reduce(reduced, reduction.all_reduce_op, self.replicate_group)
             self._spent_partials.update(p for p, _ in shards)
         if reduction.post_divide is not None:
             reduced.div_(reduction.post_divide)

@@ -116,12 +116,18 @@ class Ranks:
 
     def run(
         self, fn: Callable[..., Any], *, world_size: int = 2, timeout: float = TASK_TIMEOUT_S,
-        **kwargs: Any,
+        retire_pool: bool = False, **kwargs: Any,
     ) -> list[Any]:
+        """`retire_pool`: the test leaves the ranks' communication broken on purpose (say,
+        a timed-out collective), so the next test gets a fresh pool."""
         pool = self._pools.get(world_size)
         if pool is None or not pool.alive:
             pool = self._pools[world_size] = RankPool(world_size)
-        return pool.run(fn, timeout, **kwargs)
+        try:
+            return pool.run(fn, timeout, **kwargs)
+        finally:
+            if retire_pool:
+                pool.close(kill=True)
 
     def close(self) -> None:
         for pool in self._pools.values():
