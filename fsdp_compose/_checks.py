@@ -3,10 +3,14 @@ first collective and before anything changes, so a failed call leaves the module
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._hooks import UnitState, state_of
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
@@ -14,6 +18,11 @@ from ._policies import MixedPrecisionPolicy, OffloadPolicy
 # Marks the sharded parameters fully_shard creates, so a later call on an inner module can
 # tell "sharded by an enclosing fully_shard" from a tensor-parallel DTensor.
 SHARDED_MARK = "_fsdp_compose_sharded"
+
+# Marks each parameter fully_shard replaced, with where it was, so an optimizer still
+# holding it (built before fully_shard) is caught at its first step.
+REPLACED_MARK = "_fsdp_compose_replaced"
+_OPTIMIZER_CHECKED = "_fsdp_compose_checked"
 
 Collected = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
 
@@ -185,3 +194,32 @@ def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
             for attr, buffer in module._buffers.items():
                 if buffer is not None and buffer.device != device and not buffer.is_meta:
                     module._buffers[attr] = buffer.to(device)
+
+
+def mark_replaced(name: str, collected: Collected) -> None:
+    """After a successful fully_shard: remember which parameters it replaced."""
+    for fqn, param, _ in collected:
+        setattr(param, REPLACED_MARK, f"{fqn!r} of {name}")
+    _install_optimizer_check()
+
+
+@functools.cache
+def _install_optimizer_check() -> None:
+    register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """At an optimizer's first step: refuse parameters fully_shard replaced, whose update
+    would be silently lost."""
+    if optimizer.__dict__.get(_OPTIMIZER_CHECKED):
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if (where := getattr(param, REPLACED_MARK, None)) is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds parameter {where} as it was before "
+                    "fully_shard, which replaced it by a sharded DTensor: stepping it would "
+                    "change nothing the model uses. Build the optimizer after fully_shard, "
+                    "from model.parameters()."
+                )
+    optimizer.__dict__[_OPTIMIZER_CHECKED] = True

@@ -1,7 +1,7 @@
 """Every collective fsdp_compose sends: one all-gather of a unit's padded shards, one
 reduce-scatter of its padded gradients (an all-reduce across HSDP replicas; broadcasts when
 syncing from the first rank, all-reduces of norms when clipping, barriers around
-checkpoint renames). Nothing else in the package calls torch.distributed
+checkpoint renames, one gather of model fingerprints at the first forward). Nothing else in the package calls torch.distributed
 collectives, so this file shows all we put on the wire."""
 
 from __future__ import annotations
@@ -90,6 +90,13 @@ def broadcast(tensor: torch.Tensor, group: ProcessGroup) -> None:
     """Overwrite `tensor` with the group's first rank's."""
     if group.size() > 1:
         dist.broadcast(tensor, group=group, group_src=0)
+
+
+def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:
+    """Every rank's `obj`, by group rank (pickled: for small, once-only checks)."""
+    gathered: list[object] = [None] * group.size()
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def barrier() -> None:

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._checks import (
     SHARDED_MARK, check_mesh, check_modules, check_options, check_params,
-    check_reshard_after_forward, collect_params, move_buffers,
+    check_reshard_after_forward, collect_params, mark_replaced, move_buffers,
 )
 from ._hooks import STATE_ATTR, UnitState, state_of
 from ._init import sync_from_first_rank, unit_buffers
@@ -270,6 +270,7 @@ def fully_shard(
         m.__class__ = _annotated_class(type(m))
     state.install_hooks()
     install_state_dict_hooks(state)
+    mark_replaced(name, collected)
     return module  # type: ignore[return-value]
 
 

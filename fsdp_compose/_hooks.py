@@ -19,6 +19,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
+from ._agreement import check_ranks_agree
 from ._policies import MixedPrecisionPolicy
 from ._unit import Unit
 
@@ -125,15 +126,19 @@ class UnitState:
                 )
             state.label = state.unit.label = fqn or f"<root {type(module).__name__}>"
             states.append(state)
+        problem = None
         for state in states:
             state.unit.adopt_registered()
-            if meta := [p.fqn for p in state.unit.params if p.is_meta]:
-                raise RuntimeError(
-                    f"fsdp_compose: unit {state.label} ran forward with parameters on the meta "
-                    f"device ({', '.join(meta)}). Initialise them first: "
-                    "fsdp_compose.materialize(model), or model.to_empty(device=...) and your "
-                    "own initialisation."
+            if problem is None and (meta := [p.fqn for p in state.unit.params if p.is_meta]):
+                problem = (
+                    f"fsdp_compose: unit {state.label} on rank {self.unit.mesh.get_rank()} ran "
+                    f"forward with parameters on the meta device ({', '.join(meta)}). "
+                    "Initialise them first: fsdp_compose.materialize(model), or "
+                    "model.to_empty(device=...) and your own initialisation."
                 )
+        check_ranks_agree(states, self.unit.mesh, problem)
+        if problem is not None:  # a one-rank mesh has no gather to raise it
+            raise RuntimeError(problem)
         ctx = IterContext(root=self, states=states)
         for state in states:
             state.ctx = ctx

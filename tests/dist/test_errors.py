@@ -59,7 +59,7 @@ def check_misuse_errors() -> None:
     with torch.device("meta"):
         on_meta = MLP()
     fully_shard(on_meta)
-    _raises(RuntimeError, r"unit <root FSDPMLP> ran forward with parameters on the meta device "
+    _raises(RuntimeError, r"unit <root FSDPMLP> on rank 0 ran forward with parameters on the meta device "
             r"\(layers\.0\.weight, .*fsdp_compose\.materialize\(model\)", on_meta, torch.ones(1, 8))
 
     mixed = MLP()
@@ -103,3 +103,47 @@ def check_failed_call_leaves_module_untouched() -> None:
 
 def test_failed_call_leaves_module_untouched(ranks):
     ranks.run(check_failed_call_leaves_module_untouched, world_size=2)
+
+
+def check_ranks_with_different_models_fail_alike() -> None:
+    # Rank 1 built a wider second layer: every rank raises the same error at the first
+    # forward, before any all-gather could hang or fail on mismatched sizes.
+    dims = (8, 7, 5, 3, 1) if dist.get_rank() == 0 else (8, 9, 5, 3, 1)
+    model = MLP(dims)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    _raises(RuntimeError, r"ranks 0 and 1 built different models: unit layers\.0 has parameters "
+            r"\['weight \(7, 8\) torch\.float32', 'bias \(7,\) torch\.float32'\] on rank 0 and "
+            r"\['weight \(9, 8\) torch\.float32', 'bias \(9,\) torch\.float32'\] on rank 1 "
+            r"\(5 and 5 units in all\)\. Build and annotate the model identically",
+            model, torch.ones(1, 8))
+
+    # Only rank 1 left its model on the meta device: rank 1's message, on both ranks.
+    device = "meta" if dist.get_rank() == 1 else "cpu"
+    with torch.device(device):
+        model = MLP()
+    fully_shard(model)
+    _raises(RuntimeError, r"unit <root FSDPMLP> on rank 1 ran forward with parameters on the "
+            r"meta device", model, torch.ones(1, 8))
+
+
+def test_ranks_with_different_models_fail_alike(ranks):
+    ranks.run(check_ranks_with_different_models_fail_alike, world_size=2)
+
+
+def check_optimizer_built_before_fully_shard_is_refused() -> None:
+    model = MLP()
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model(torch.ones(2, 8)).sum().backward()
+    _raises(RuntimeError, r"SGD holds parameter 'weight' of Linear as it was before fully_shard"
+            r".*Build the optimizer after fully_shard", early.step)
+    late = torch.optim.SGD(model.parameters(), lr=0.1)
+    late.step()  # the fix: built after fully_shard
+
+
+def test_optimizer_built_before_fully_shard_is_refused(ranks):
+    ranks.run(check_optimizer_built_before_fully_shard_is_refused, world_size=2)

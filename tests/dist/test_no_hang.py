@@ -21,8 +21,9 @@ def check_waiting_rank_names_unit_and_collective() -> None:
     mesh = DeviceMesh.from_group(group, "cpu")
     model = MLP()
     per_block(model, lambda m, **kw: fully_shard(m, mesh=mesh))
+    model(torch.ones(1, 8)).sum().backward()  # one step on both ranks
     if dist.get_rank() == 1:
-        return  # this rank "crashed" before its first forward
+        return  # this rank "crashed" before the next forward
     with pytest.raises(RuntimeError, match=r"(?s)fsdp_compose: the all-gather of unit "
                        r"layers\.0 over 2 ranks failed on rank 0: .*Another rank probably "
                        r"raised or stopped before this collective.*init_process_group\(\.\.\., "

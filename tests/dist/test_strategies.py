@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_compose import fully_shard, replicate
 from tests.dist.parity import make_mesh, three_models, train_and_compare
-from tests.dist.test_collectives import CollectiveCounter
+from tests.dist.test_collectives import CollectiveCounter, first_forward
 from tests.models import MLP, Transformer, feature_batch, lm_loss, token_batch
 
 ALL_GATHER = "c10d::_allgather_base_"
@@ -49,6 +49,7 @@ def check_hsdp_placements_and_collectives() -> Counter:
     fully_shard(model, mesh=mesh)
     for fqn, p in model.named_parameters():
         assert p.placements == (Replicate(), Shard(0)), fqn
+    first_forward(model, feature_batch(0, 2))
     with CollectiveCounter() as comms:
         mse_loss(model, feature_batch(0, 2)).backward()
     return comms.counts
@@ -95,6 +96,7 @@ def check_replicate_collectives() -> Counter:
     for layer in model.layers:
         replicate(layer)
     replicate(model)
+    first_forward(model, feature_batch(0, 2))
     with CollectiveCounter() as comms:
         mse_loss(model, feature_batch(0, 2)).backward()
     assert all(p.placements == (Replicate(), Shard(0)) and p.to_local().shape == p.shape
@@ -162,6 +164,7 @@ def check_smaller_group_collectives() -> tuple[Counter, Counter]:
         fully_shard(layer, reshard_after_forward=2)
     fully_shard(model)
     x = feature_batch(0, 2)
+    first_forward(model, x)
     sizes = []
     for phase in ("forward", "backward"):
         with CollectiveCounter() as comms:
