@@ -36,6 +36,14 @@ class FSDPModule:
         module.__init__(*args, **kwargs)
         return module
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        name = type(self).__name__
+        raise TypeError(
+            f"copy.deepcopy({name}): an annotated module cannot be deep-copied (its units hold "
+            "process groups and shared buffers). Copy the model before fully_shard and annotate "
+            "the copy, or build a new model, annotate it and load_state_dict(model.state_dict())."
+        )
+
     def _state(self) -> UnitState:
         return self.__dict__[STATE_ATTR]
 

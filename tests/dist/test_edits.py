@@ -1,0 +1,72 @@
+"""Copies and edits of an annotated model: deepcopy is refused clearly; parameters replaced
+or frozen after annotation are handled, in parity with the same edit on the reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_compose import fully_shard
+from tests.dist.parity import full, per_block
+from tests.models import MLP, feature_batch
+
+
+def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(x) - x[:, :1]).pow(2).mean()
+
+
+def check_deepcopy_is_refused() -> None:
+    model = MLP()
+    per_block(model, fully_shard)
+    with pytest.raises(TypeError, match=r"copy\.deepcopy\(FSDPMLP\): an annotated module "
+                       r"cannot be deep-copied .* Copy the model before fully_shard"):
+        copy.deepcopy(model)
+    with pytest.raises(TypeError, match=r"copy\.deepcopy\(FSDPLinear\)"):
+        copy.deepcopy(nn.Sequential(model.layers[0]))  # a plain parent of a unit
+
+
+def test_deepcopy_is_refused(ranks):
+    ranks.run(check_deepcopy_is_refused, world_size=2)
+
+
+def check_replace_and_freeze_after_annotation() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = MLP()
+    model = copy.deepcopy(ref)
+    per_block(model, fully_shard)
+
+    def step(index: int) -> None:
+        x = feature_batch(index, 2 * world)
+        mse_loss(ref, x).backward()
+        mse_loss(model, x.chunk(world)[rank]).backward()
+        for m in (ref, model):
+            torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1).step()
+            m.zero_grad()
+        ref_params = dict(ref.named_parameters())
+        for fqn, p in model.named_parameters():
+            assert isinstance(p, DTensor), fqn
+            torch.testing.assert_close(full(p), ref_params[fqn], msg=fqn)
+
+    step(0)
+    new_weight = torch.randn(5, 7)  # replace a whole parameter after annotation
+    ref.layers[1].weight = nn.Parameter(new_weight.clone())
+    model.layers[1].weight = nn.Parameter(new_weight.clone())
+    step(1)
+    for m in (ref, model):  # freeze one after annotation
+        m.layers[0].weight.requires_grad_(False)
+    step(2)
+    assert model.layers[0].weight.grad is None
+    model.layers[2].bias = nn.Parameter(torch.zeros(4))  # a wrong shape is refused
+    with pytest.raises(ValueError, match=r"parameter 'bias' was replaced by shape \(4,\); "
+                       r"expected shape \(3,\)"):
+        mse_loss(model, feature_batch(3, 2))
+
+
+def test_replace_and_freeze_after_annotation(ranks):
+    ranks.run(check_replace_and_freeze_after_annotation, world_size=2)
