@@ -11,6 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
+from tests.dist.test_collectives import CollectiveCounter
 from tests.models import MLP, Transformer
 
 
@@ -147,3 +148,24 @@ def check_optimizer_built_before_fully_shard_is_refused() -> None:
 
 def test_optimizer_built_before_fully_shard_is_refused(ranks):
     ranks.run(check_optimizer_built_before_fully_shard_is_refused, world_size=2)
+
+
+def check_misuse_on_one_rank_does_not_communicate() -> int:
+    """Argument checks raise before any collective: a rank alone with a mistake raises at
+    once, instead of waiting in a collective the others never enter."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if dist.get_rank() != 0:
+        return 0
+    with CollectiveCounter() as comms:
+        _raises(ValueError, "is a scalar", fully_shard, WithScalar(), mesh=mesh)
+        _raises(ValueError, "must divide", fully_shard, MLP(), mesh=mesh, reshard_after_forward=3)
+        _raises(ValueError, "not a floating-point", fully_shard, MLP(), mesh=mesh,
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
+        mixed = MLP()
+        mixed.layers[1].to(torch.float64)
+        _raises(NotImplementedError, "must share a dtype", fully_shard, mixed, mesh=mesh)
+    return sum(comms.counts.values())
+
+
+def test_misuse_on_one_rank_does_not_communicate(ranks):
+    assert ranks.run(check_misuse_on_one_rank_does_not_communicate, world_size=2) == [0, 0]
