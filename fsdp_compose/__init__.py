@@ -6,6 +6,7 @@ from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_
 from ._init import materialize
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._replicate import replicate
+from ._wrap import WrapPolicy, wrap
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -13,6 +14,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "WrapPolicy",
     "clip_grad_norm_",
     "export_safetensors",
     "fully_shard",
@@ -21,4 +23,5 @@ __all__ = [
     "register_fsdp_forward_method",
     "replicate",
     "save_checkpoint",
+    "wrap",
 ]
