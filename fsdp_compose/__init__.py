@@ -1,5 +1,6 @@
 """Fully sharded data parallel as a module annotation. Public: the names in __all__."""
 
+from ._activation_checkpointing import checkpoint_blocks
 from ._checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from ._clip import clip_grad_norm_
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
@@ -15,6 +16,7 @@ __all__ = [
     "OffloadPolicy",
     "UnshardHandle",
     "WrapPolicy",
+    "checkpoint_blocks",
     "clip_grad_norm_",
     "export_safetensors",
     "fully_shard",
