@@ -81,11 +81,14 @@ class UnitState:
     _pending_post_backward: int = 0  # identity functions whose backward has not run yet
 
     def install_hooks(self) -> None:
+        # torch.compile of an annotated module runs the hooks eagerly, with graph breaks
+        # around them: they communicate and resize storage, which graphs cannot hold.
+        eager = torch.compiler.disable
         for module in self.modules:
-            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self.post_forward)
+            module.register_forward_pre_hook(eager(self.pre_forward), prepend=True, with_kwargs=True)
+            module.register_forward_hook(eager(self.post_forward))
             # Runs after post_forward, and also when forward raised (post_forward did not).
-            module.register_forward_hook(self._after_forward, always_call=True)
+            module.register_forward_hook(eager(self._after_forward), always_call=True)
 
     def owned_before_sharding(self, param: nn.Parameter) -> bool:
         ref = self.original_params.get(id(param))
