@@ -81,3 +81,22 @@ def test_killed_rank_resumes_from_checkpoint_bit_identical(tmp_path):
     assert sorted(got) == sorted(expected)
     for key, value in got.items():
         assert torch.equal(value, expected[key]), key
+
+
+def test_train_hf_llama_loss_goes_down_and_exports_a_loadable_checkpoint(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    result = subprocess.run(
+        [*TORCHRUN, str(ROOT / "examples" / "train_hf_llama.py"), "--steps", "12",
+         "--export", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", result.stdout)]
+    assert len(losses) == 12, result.stdout
+    assert losses[-1] < 0.7 * losses[0], losses
+    model, info = LlamaForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    tokens = (torch.arange(32) % 128).unsqueeze(0)  # a counting sequence, as trained on
+    with torch.no_grad():
+        assert model(input_ids=tokens, labels=tokens).loss < losses[0]
