@@ -34,7 +34,7 @@ def check_ranks_agree(states: list[UnitState], mesh: DeviceMesh, problem: str | 
 
 
 def _describe(state: UnitState) -> list[str]:
-    return [f"{p.fqn} {tuple(p.layout.shape)} {p.sharded.dtype}" for p in state.unit.params]
+    return [f"{p.fqn} {tuple(p.shape)} {p.sharded.dtype}" for p in state.unit.params]
 
 
 def _digest(state: UnitState) -> str:

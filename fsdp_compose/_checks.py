@@ -145,11 +145,26 @@ def collect_params(
     return list(found.values())
 
 
+def check_tensor_parallel(name: str, fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
+    """A tensor-parallel parameter composes when its mesh and ours are parts of one mesh."""
+    tp_mesh = param.device_mesh
+    same_root = tp_mesh._get_root_mesh() == mesh._get_root_mesh()
+    overlap = set(tp_mesh.mesh_dim_names or ()) & set(mesh.mesh_dim_names or ())
+    if tp_mesh is mesh or not same_root or overlap or not tp_mesh.mesh_dim_names:
+        raise ValueError(
+            f"fully_shard({name}): parameter {fqn!r} is a DTensor on mesh {tp_mesh} with "
+            f"{param.placements}, which is not a tensor-parallel part of the same device mesh "
+            f"as fully_shard's mesh {mesh}. Build one mesh, e.g. init_device_mesh(..., "
+            "mesh_dim_names=('dp', 'tp')), parallelize on mesh['tp'] and pass mesh=mesh['dp']."
+        )
+
+
 def check_params(
     name: str,
     collected: Collected,
     device: torch.device,
     mp_policy: MixedPrecisionPolicy,
+    mesh: DeviceMesh,
 ) -> None:
     dtypes: dict[torch.dtype, str] = {}
     for fqn, param, _ in collected:
@@ -160,11 +175,7 @@ def check_params(
                     "on an enclosing module. Annotate bottom-up: inner modules first, then "
                     "the modules that contain them."
                 )
-            raise NotImplementedError(
-                f"fully_shard({name}): parameter {fqn!r} is already a DTensor on mesh "
-                f"{param.device_mesh} with {param.placements}; composing with tensor "
-                "parallelism is not supported yet."
-            )
+            check_tensor_parallel(name, fqn, param, mesh)
         if param.ndim == 0:
             raise ValueError(
                 f"fully_shard({name}): parameter {fqn!r} is a scalar and cannot be sharded on "

@@ -9,6 +9,7 @@ import torch
 from torch.distributed import ReduceOp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._collectives import all_reduce
 from ._meshes import mesh_device
@@ -83,6 +84,6 @@ def _shard_dims(grad: torch.Tensor) -> tuple[DeviceMesh | None, tuple[int, ...]]
                 f"({grad.placements}); its norm needs the reduced gradient. Reduce it first "
                 "(e.g. grad.redistribute(..., Replicate())) or let the backward finish."
             )
-        if placement.is_shard():
+        if placement.is_shard() or isinstance(placement, _StridedShard):  # FSDP over TP rows
             dims.append(dim)
     return grad.device_mesh, tuple(dims)

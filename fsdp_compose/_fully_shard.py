@@ -252,7 +252,7 @@ def fully_shard(
     check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", mesh.size(-1))
     device = mesh_device(mesh)
     collected = collect_params(modules, name, set(ignored_params or ()))
-    check_params(name, collected, device, mp_policy)
+    check_params(name, collected, device, mp_policy, mesh)
 
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     if sync_module_states:

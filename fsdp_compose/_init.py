@@ -91,6 +91,12 @@ def _materialize_own(
     to_init = False
     for attr, param in mine:
         if param is not None and param.is_meta:
+            if param.is_tensor_parallel:
+                raise NotImplementedError(
+                    f"materialize: {type(m).__name__}.{attr} is tensor-parallel; materialise "
+                    "the model before parallelize_module, or use model.to_empty(device=...) "
+                    "and initialise the DTensor parameters."
+                )
             if param not in whole:
                 tensor = torch.empty(param.layout.shape, dtype=param.sharded.dtype, device=device)
                 whole[param] = nn.Parameter(tensor, requires_grad=param.sharded.requires_grad)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ._sharding import ShardLayout, chunk_range, contiguous_stride, shard_layout
@@ -51,17 +55,24 @@ class ShardedParam:
         self._accumulated_spent = False  # whether a reduction of this backward included it
         # The last mesh dim shards; a leading one (HSDP) replicates.
         shard_size, rank = mesh.size(-1), mesh.get_local_rank(mesh.ndim - 1)
-        placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(0),)
-        self.layout: ShardLayout = shard_layout(param.shape, shard_size)
+        # A tensor-parallel DTensor: we shard its local tensor; see Note [tensor parallel].
+        self._tp = _TensorParallel.of(param) if isinstance(param, DTensor) else None
+        whole = self._tp.local(param) if self._tp is not None else param.detach()
+        self.layout: ShardLayout = shard_layout(whole.shape, shard_size)
         self._local_shape = self.layout.local_shape(rank)
-        self._rows = chunk_range(param.shape[0], shard_size, rank)
-        self._spec = (mesh, placements, self.layout.shape, contiguous_stride(self.layout.shape))
+        self._rows = chunk_range(whole.shape[0], shard_size, rank)
+        dp_placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(0),)
+        if self._tp is None:
+            shape = self.layout.shape
+            self._spec = (mesh, dp_placements, shape, contiguous_stride(shape))
+        else:
+            self._spec = self._tp.sharded_spec(mesh, dp_placements)
         # reshard_after_forward=<int>: the layout over the smaller post-forward group, the
         # rows this rank keeps of it, and (between forward and backward) the kept piece.
         self._post_forward: tuple[ShardLayout, range] | None = None
         self.post_forward_shard: torch.Tensor | None = None
         self.sharded: nn.Parameter = None  # type: ignore[assignment]  # set by _store_shard
-        self._store_shard(param.detach()[self._rows.start : self._rows.stop], param.requires_grad)
+        self._store_shard(whole[self._rows.start : self._rows.stop], param.requires_grad)
 
     def _store_shard(
         self, local: torch.Tensor, requires_grad: bool, keep: nn.Parameter | None = None
@@ -99,10 +110,10 @@ class ShardedParam:
         # that autograd checks on the unsharded parameter saved for backward, and the
         # re-gather before backward would then look like an illegal in-place edit.
         self._gather_target = self._unsharded_buffer.data.view(shard_size, -1)
-        self.unsharded = nn.Parameter(
-            self._unsharded_buffer[: self.layout.numel].view(self.layout.shape),
-            requires_grad=self.sharded.requires_grad,
-        )
+        unsharded = self._unsharded_buffer[: self.layout.numel].view(self.layout.shape)
+        if self._tp is not None:
+            unsharded = self._tp.as_dtensor(unsharded)
+        self.unsharded = nn.Parameter(unsharded, requires_grad=self.sharded.requires_grad)
         self._free_unsharded()
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
@@ -110,6 +121,15 @@ class ShardedParam:
         return DTensor.from_local(
             local, mesh, placements, run_check=False, shape=shape, stride=stride
         )
+
+    @property
+    def shape(self) -> torch.Size:
+        """The parameter's shape (a tensor-parallel one's global shape)."""
+        return self._spec[2]
+
+    @property
+    def is_tensor_parallel(self) -> bool:
+        return self._tp is not None
 
     @property
     def is_meta(self) -> bool:
@@ -120,8 +140,9 @@ class ShardedParam:
         self._store_shard(unsharded[self._rows.start : self._rows.stop], self.sharded.requires_grad)
 
     def shard_of(self, whole: torch.Tensor) -> DTensor:
-        """This rank's rows of `whole` (a tensor of the unsharded shape), as a DTensor like ours."""
-        return self._as_dtensor(whole.detach()[self._rows.start : self._rows.stop])
+        """This rank's rows of `whole` (a tensor of the parameter's shape), as a DTensor like ours."""
+        local = self._tp.slice(whole.detach()) if self._tp is not None else whole.detach()
+        return self._as_dtensor(local[self._rows.start : self._rows.stop])
 
     def adopt_registered(self) -> None:
         """Make what the module holds our shard again, if it changed behind our back:
@@ -135,23 +156,23 @@ class ShardedParam:
             return
         if isinstance(registered, DTensor):
             if (registered.device_mesh, tuple(registered.placements), registered.shape) != (
-                self._spec[0], self._spec[1], self.layout.shape
+                self._spec[0], tuple(self._spec[1]), self.shape
             ):
                 raise ValueError(
                     f"fsdp_compose: parameter {self.fqn!r} was replaced by a DTensor of shape "
                     f"{tuple(registered.shape)} with {registered.placements} on "
-                    f"{registered.device_mesh}; expected shape {tuple(self.layout.shape)} with "
+                    f"{registered.device_mesh}; expected shape {tuple(self.shape)} with "
                     f"{self._spec[1]} on {self._spec[0]}. Assign a tensor of the original "
                     "shape (whole or sharded like the original)."
                 )
             self._store_shard(_local_of(registered), registered.requires_grad, keep=registered)
-        elif isinstance(registered, torch.Tensor) and registered.shape == self.layout.shape:
+        elif isinstance(registered, torch.Tensor) and registered.shape == self.shape:
             self._store_shard(self.shard_of(registered).to_local(), registered.requires_grad)
         else:
             found = "None" if registered is None else f"shape {tuple(registered.shape)}"
             raise ValueError(
                 f"fsdp_compose: parameter {self.fqn!r} was replaced by {found}; expected "
-                f"shape {tuple(self.layout.shape)}. Assign a parameter of the original shape, "
+                f"shape {tuple(self.shape)}. Assign a parameter of the original shape, "
                 "or annotate a freshly built module."
             )
         for module, attr in self.owners:
@@ -220,12 +241,19 @@ class ShardedParam:
     def has_grad(self) -> bool:
         return self.unsharded.grad is not None or self._accumulated_grad is not None
 
+    def _pop_grad(self) -> torch.Tensor | None:
+        """This backward's unsharded gradient as a plain tensor (a tensor-parallel one's
+        local part, in the parameter's placements); clears it."""
+        grad, self.unsharded.grad = self.unsharded.grad, None
+        if grad is None or self._tp is None:
+            return grad
+        return self._tp.local(grad)
+
     def take_grad(self) -> torch.Tensor | None:
         """For a reduction: the unsharded gradient summed over the backwards since the last
         one. Takes this backward's gradient; the earlier sum stays until `commit`."""
-        grad = self.unsharded.grad
+        grad = self._pop_grad()
         accumulated = None if self._accumulated_spent else self._accumulated_grad
-        self.unsharded.grad = None
         self._accumulated_spent = True  # a second reduction in this backward excludes it
         if accumulated is None:
             return grad
@@ -246,9 +274,8 @@ class ShardedParam:
             self._pending_shard = None
         if self._accumulated_spent:
             self._accumulated_grad, self._accumulated_spent = None, False
-        grad = self.unsharded.grad
+        grad = self._pop_grad()
         if grad is not None:
-            self.unsharded.grad = None
             if self._accumulated_grad is None:
                 self._accumulated_grad = grad.to(self.reduce_dtype)
             else:
@@ -285,3 +312,53 @@ def _local_of(dtensor: DTensor) -> torch.Tensor:
     # The local tensor itself: to_local() of a Parameter returns a fresh view, and identity
     # is how we tell our shard from one that replaced it.
     return dtensor._local_tensor
+
+
+# Note [tensor parallel]: a parameter that tensor parallelism made a DTensor on a TP mesh
+# is sharded here as its local tensor: rows of the TP-local tensor over the data-parallel
+# mesh. Unsharded, it is the TP DTensor again (the all-gather rebuilds its local tensor);
+# sharded, a DTensor on the concatenated (dp..., tp) mesh. When TP also shards dim 0, each
+# dp shard holds rows of a TP shard, a layout DTensor names _StridedShard(0, split_factor=
+# TP shards), as torch's fully_shard does.
+
+
+class _TensorParallel(NamedTuple):
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, param: DTensor) -> _TensorParallel:
+        return cls(param.device_mesh, tuple(param.placements), param.shape, param.stride())
+
+    def local(self, tensor: DTensor) -> torch.Tensor:
+        """The local tensor of `tensor` in our placements (a gradient may come Partial)."""
+        if tuple(tensor.placements) != self.placements:
+            tensor = tensor.redistribute(self.mesh, self.placements)
+        return tensor._local_tensor.detach()
+
+    def slice(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's TP-local part of a whole tensor."""
+        local_shape, offsets = compute_local_shape_and_global_offset(
+            self.shape, self.mesh, self.placements
+        )
+        index = tuple(slice(o, o + n) for o, n in zip(offsets, local_shape))
+        return whole[index]
+
+    def as_dtensor(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+    def sharded_spec(
+        self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...]
+    ) -> tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]:
+        tp_rows = 1
+        for size, placement in zip(self.mesh.shape, self.placements):
+            if placement.is_shard(0):
+                tp_rows *= size
+        if tp_rows > 1:
+            dp_placements = (*dp_placements[:-1], _StridedShard(0, split_factor=tp_rows))
+        mesh = DeviceMesh._concatenate([dp_mesh, self.mesh])
+        return mesh, (*dp_placements, *self.placements), self.shape, self.stride

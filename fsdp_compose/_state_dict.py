@@ -61,5 +61,5 @@ def _shard_loaded(state: UnitState, module: nn.Module, state_dict: dict[str, Any
     for key, param, _, _ in _keys(state, module, prefix):
         value = state_dict.get(key)
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            if value.shape == param.layout.shape:
+            if value.shape == param.shape:
                 state_dict[key] = param.shard_of(value)

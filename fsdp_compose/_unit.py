@@ -168,7 +168,7 @@ class Unit:
         ranks, as it does whenever every rank runs the same code path.
         """
         with_grad = [
-            (p, g if g is not None else p.unsharded.new_zeros(p.layout.shape))
+            (p, g if g is not None else torch.zeros(p.layout.shape, dtype=p.param_dtype, device=self.device))
             for p in self.params
             if (g := p.take_grad()) is not None or self._partial_grad_exists(p)
         ]

@@ -78,8 +78,9 @@ def check_misuse_errors() -> None:
     tensor_parallel.layers[0].weight = nn.Parameter(
         distribute_tensor(tensor_parallel.layers[0].weight.detach(), mesh, [Replicate()])
     )
-    _raises(NotImplementedError, r"'layers\.0\.weight' is already a DTensor .* tensor "
-            "parallelism", fully_shard, tensor_parallel)
+    _raises(ValueError, r"parameter 'layers\.0\.weight' is a DTensor on mesh .* which is not a "
+            r"tensor-parallel part of the same device mesh .* pass mesh=mesh\['dp'\]",
+            fully_shard, tensor_parallel, mesh=mesh)
 
     as_list = [nn.Linear(3, 3), nn.Linear(3, 3)]
     fully_shard(as_list)

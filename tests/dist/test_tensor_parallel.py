@@ -1,0 +1,152 @@
+"""2-D parallelism: tensor parallelism inside (parallelize_module on mesh['tp']), fully_shard
+across (mesh['dp']). Parity with single-process training and with torch's fully_shard at
+W = 4 (dp 2 x tp 2), for an MLP and an attention block; state dicts and clipping on the
+resulting 2-D parameters."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, RowwiseParallel, parallelize_module,
+)
+
+from fsdp_compose import clip_grad_norm_, fully_shard
+from tests.dist.parity import full, max_diff
+
+
+class Attention(nn.Module):
+    """Self-attention whose heads split across tensor-parallel ranks."""
+
+    def __init__(self, dim: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.norm = nn.LayerNorm(dim)
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.norm(x)
+        q, k, v = (proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))  # -1: this rank's heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TPModel(nn.Module):
+    def __init__(self, dim: int = 16, head_dim: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Attention(dim, head_dim), MLP(dim)])
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+PLAN = {
+    "blocks.0.q": ColwiseParallel(), "blocks.0.k": ColwiseParallel(),
+    "blocks.0.v": ColwiseParallel(), "blocks.0.o": RowwiseParallel(),
+    "blocks.1.up": ColwiseParallel(), "blocks.1.down": RowwiseParallel(),
+}
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(x) - x[..., :1]).pow(2).mean()
+
+
+def two_d(model: nn.Module, mesh, shard) -> nn.Module:
+    parallelize_module(model, mesh["tp"], PLAN)
+    for block in model.blocks:
+        shard(block, mesh=mesh["dp"])
+    shard(model, mesh=mesh["dp"])
+    return model
+
+
+def check_tensor_parallel_parity(steps: int) -> float:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    torch.manual_seed(0)
+    ref = TPModel()
+    ours = two_d(copy.deepcopy(ref), mesh, fully_shard)
+    theirs = two_d(copy.deepcopy(ref), mesh, torch_fully_shard)
+    models = (ref, ours, theirs)
+    names = [fqn for fqn, _ in ref.named_parameters()]
+    assert [fqn for fqn, _ in ours.named_parameters()] == names
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    vs_torch = 0.0
+    for step in range(steps):
+        x = torch.randn(4 * dp_size, 5, 16, generator=torch.Generator().manual_seed(step))
+        loss_fn(ref, x).backward()
+        local = x.chunk(dp_size)[dp_rank]  # the tp ranks of one dp rank share its data
+        for model in (ours, theirs):
+            loss_fn(model, local).backward()
+        grads = [dict((fqn, p.grad) for fqn, p in m.named_parameters()) for m in models]
+        for fqn in names:
+            torch.testing.assert_close(full(grads[1][fqn]), grads[0][fqn], msg=fqn)
+            vs_torch = max(vs_torch, max_diff(full(grads[1][fqn]), full(grads[2][fqn])))
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        params = [dict(m.named_parameters()) for m in models]
+        for fqn in names:
+            torch.testing.assert_close(full(params[1][fqn]), params[0][fqn], msg=fqn)
+            vs_torch = max(vs_torch, max_diff(full(params[1][fqn]), full(params[2][fqn])))
+    return vs_torch
+
+
+def test_tensor_parallel_trains_like_single_process_and_torch(ranks):
+    assert ranks.run(check_tensor_parallel_parity, world_size=4, steps=3) == [0.0] * 4
+
+
+def check_state_dict_and_clipping_on_2d_params() -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    ref = TPModel()
+    model = two_d(copy.deepcopy(ref), mesh, fully_shard)
+    up = model.blocks[1].up.weight
+    assert isinstance(up, DTensor) and up.device_mesh.mesh_dim_names == ("dp", "tp")
+    state = model.state_dict()
+    for key, value in ref.state_dict().items():
+        assert torch.equal(state[key].full_tensor(), value), key
+
+    torch.manual_seed(1)
+    other = TPModel()  # whole tensors of another model load into the 2-D shards
+    model.load_state_dict(other.state_dict())
+    for key, value in other.state_dict().items():
+        assert torch.equal(model.state_dict()[key].full_tensor(), value), key
+
+    x = torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(0))
+    loss_fn(other, x).backward()
+    loss_fn(model, x.chunk(2)[mesh["dp"].get_local_rank()]).backward()
+    ours = clip_grad_norm_(model.parameters(), max_norm=0.1)
+    theirs = torch.nn.utils.clip_grad_norm_(other.parameters(), max_norm=0.1)
+    torch.testing.assert_close(ours, theirs)
+    clipped = dict(other.named_parameters())
+    for fqn, p in model.named_parameters():
+        torch.testing.assert_close(full(p.grad), clipped[fqn].grad, msg=fqn)
+    assert dist.get_world_size() == 4
+
+
+def test_state_dict_and_clipping_on_2d_params(ranks):
+    ranks.run(check_state_dict_and_clipping_on_2d_params, world_size=4)
