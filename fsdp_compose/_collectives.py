@@ -7,7 +7,7 @@ collectives, so this file shows all we put on the wire."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -58,10 +58,30 @@ def grad_reduction(
     return GradReduction(1.0 / pre if pre != 1 else None, sum_, sum_, post if post != 1 else None)
 
 
+# A user's all-gather or reduce-scatter for one unit (FSDPModule.set_custom_all_gather /
+# set_custom_reduce_scatter), with torch's fully_shard interface: called like the functions
+# below take their tensors, `comm(output, input, group, async_op=False)` and
+# `comm(output, input, group, op, async_op=False)`, returning a Work or None; an
+# `allocate(size, *, dtype, device)` method, if any, allocates its buffers.
+CustomComm = Callable[..., "dist.Work | None"]
+
+
+def allocate(
+    comm: CustomComm | None, size: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A communication buffer, from the custom comm's allocator when it has one."""
+    if comm is not None and hasattr(comm, "allocate"):
+        return comm.allocate(size, dtype=dtype, device=device)
+    return torch.empty(size, dtype=dtype, device=device)
+
+
 def all_gather(
-    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool,
+    custom: CustomComm | None = None,
 ) -> dist.Work | None:
     """Gather every rank's equal-sized flat `shard` into `output`, rank after rank."""
+    if custom is not None:
+        return custom(output, shard, group, async_op=async_op)
     if group.size() == 1:
         output.copy_(shard)  # replicate-only units and single-rank meshes send nothing
         return None
@@ -69,12 +89,17 @@ def all_gather(
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, reduction: GradReduction
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, reduction: GradReduction,
+    custom: CustomComm | None = None,
 ) -> None:
     """Reduce `input` (row r: the values for rank r) across `group`; rank r keeps row r.
     Applies the pre-scale; the post-divide is the caller's, after any all-reduce."""
     if reduction.pre_scale is not None:
         input.mul_(reduction.pre_scale)
+    if custom is not None:
+        if (work := custom(output, input, group, reduction.op)) is not None:
+            work.wait()
+        return
     if group.size() == 1:
         output.copy_(input)
         return

@@ -16,6 +16,7 @@ from ._checks import (
     SHARDED_MARK, check_mesh, check_modules, check_options, check_params,
     check_reshard_after_forward, collect_params, mark_replaced, move_buffers,
 )
+from ._collectives import CustomComm
 from ._hooks import STATE_ATTR, UnitState, state_of
 from ._init import sync_from_first_rank, unit_buffers
 from ._meshes import default_mesh, mesh_device, resolve_reshard_after_forward
@@ -162,11 +163,17 @@ class FSDPModule:
     def set_post_optim_event(self, event: torch.Event) -> None:
         self._not_yet("a post-optimizer event (it orders CUDA streams)")
 
-    def set_custom_all_gather(self, comm: Any) -> None:
-        self._not_yet("a custom all-gather")
+    def set_custom_all_gather(self, comm: CustomComm) -> None:
+        """Gather this unit's parameters with `comm(output, input, group, async_op=False)`
+        (returning a Work or None) instead of all_gather_single; `comm.allocate(size, *,
+        dtype, device)`, if defined, allocates the output. torch's AllGather interface."""
+        self._state().unit.custom_all_gather = comm
 
-    def set_custom_reduce_scatter(self, comm: Any) -> None:
-        self._not_yet("a custom reduce-scatter")
+    def set_custom_reduce_scatter(self, comm: CustomComm) -> None:
+        """Reduce this unit's gradients with `comm(output, input, group, op,
+        async_op=False)` instead of reduce_scatter_single; `comm.allocate`, if defined,
+        allocates input and output. torch's ReduceScatter interface."""
+        self._state().unit.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         self._not_yet("an all-reduce hook")

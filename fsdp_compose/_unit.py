@@ -9,7 +9,8 @@ from torch.distributed import ProcessGroup, Work
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._collectives import (
-    all_gather, all_reduce, explain_failure, grad_reduction, reduce_scatter,
+    CustomComm, all_gather, all_reduce, allocate, explain_failure, grad_reduction,
+    reduce_scatter,
 )
 from ._param import ShardedParam
 
@@ -46,6 +47,8 @@ class Unit:
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
         self.requires_all_reduce = True
+        self.custom_all_gather: CustomComm | None = None
+        self.custom_reduce_scatter: CustomComm | None = None
         # HSDP without all-reduce: each parameter's reduce-scattered gradient shard, summed
         # until a backward all-reduces again (gradient accumulation across replicas).
         self._partial_grads: dict[ShardedParam, torch.Tensor] = {}
@@ -96,9 +99,11 @@ class Unit:
             shards = torch.cat([p.padded_shard for p in self.params])  # copy-in: one flat send
             # Mixed precision gathers the dtype that computes; CPU offload gathers on the device.
             shards = shards.to(self.device, self.param_dtype, non_blocking=True)
-        gathered = shards.new_empty(group.size() * shards.numel())  # row r: rank r's shards
+        gathered = allocate(  # row r: rank r's shards
+            self.custom_all_gather, (group.size() * shards.numel(),), shards.dtype, shards.device
+        )
         with explain_failure(self.label, "all-gather", group.size()):
-            work = all_gather(gathered, shards, group, async_op)
+            work = all_gather(gathered, shards, group, async_op, self.custom_all_gather)
         self._pending_gather = _Gather(
             gathered, work, group.size(), sizes, group is not self.group
         )
@@ -175,19 +180,22 @@ class Unit:
         if not with_grad:
             return
         sizes = [p.layout.padded_shard_numel for p, _ in with_grad]
-        grads = torch.empty(  # row r: what rank r keeps, param after param
-            (self.shard_size, sum(sizes)), dtype=self.reduce_dtype, device=with_grad[0][1].device
+        grads = allocate(  # row r: what rank r keeps, param after param
+            self.custom_reduce_scatter, (self.shard_size, sum(sizes)), self.reduce_dtype,
+            with_grad[0][1].device,
         )
         for (p, grad), rows in zip(with_grad, grads.split(sizes, dim=1)):
             p.write_grad_rows(grad, rows)
-        reduced = grads.new_empty(sum(sizes))
+        reduced = allocate(self.custom_reduce_scatter, (sum(sizes),), grads.dtype, grads.device)
         replicas = self.replicate_group.size() if self.replicate_group is not None else 1
         reduction = grad_reduction(
             self.shard_size, replicas, self.reduce_dtype, self.gradient_divide_factor,
             self.force_sum_reduction,
         )
         with explain_failure(self.label, "reduce-scatter", self.shard_size):
-            reduce_scatter(reduced, grads.view(-1), self.group, reduction)
+            reduce_scatter(
+                reduced, grads.view(-1), self.group, reduction, self.custom_reduce_scatter
+            )
         shards = [(p, shard) for (p, _), shard in zip(with_grad, reduced.split(sizes))]
         if self.replicate_group is not None:
             for p, shard in shards:
