@@ -3,6 +3,7 @@
 from ._activation_checkpointing import checkpoint_blocks
 from ._checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from ._clip import clip_grad_norm_
+from ._codec import AllGatherCodec, Int8RowCodec
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from ._init import materialize
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -10,8 +11,10 @@ from ._replicate import replicate
 from ._wrap import WrapPolicy, wrap
 
 __all__ = [
+    "AllGatherCodec",
     "CPUOffloadPolicy",
     "FSDPModule",
+    "Int8RowCodec",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",

@@ -16,6 +16,7 @@ from ._checks import (
     SHARDED_MARK, check_mesh, check_modules, check_options, check_params,
     check_reshard_after_forward, collect_params, mark_replaced, move_buffers,
 )
+from ._codec import AllGatherCodec
 from ._collectives import CustomComm
 from ._hooks import STATE_ATTR, UnitState, state_of
 from ._init import sync_from_first_rank, unit_buffers
@@ -177,6 +178,26 @@ class FSDPModule:
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         self._not_yet("an all-reduce hook")
+
+    def set_all_gather_codec(
+        self, codec: AllGatherCodec | None, params: list[str] | None = None
+    ) -> None:
+        """Send this unit's parameters named in `params` (fqns under this module; default
+        all) through `codec` in the all-gather, e.g. `Int8RowCodec()` for weights; None
+        sends them plainly again. Ours, not torch's; see AllGatherCodec."""
+        unit = self._state().unit
+        by_fqn = {p.fqn: p for p in unit.params}
+        names = list(by_fqn) if params is None else params
+        if unknown := [n for n in names if n not in by_fqn]:
+            raise ValueError(
+                f"{type(self).__name__}.set_all_gather_codec: {unknown} are not parameters of "
+                f"this unit; its parameters are {list(by_fqn)}."
+            )
+        for name in names:
+            if codec is None:
+                unit.codecs.pop(by_fqn[name], None)
+            else:
+                unit.codecs[by_fqn[name]] = codec
 
     def set_reduce_scatter_max_input_buffers(self, max_buffers: int) -> None:
         self._not_yet("bounding reduce-scatter input buffers")

@@ -12,6 +12,7 @@ from ._collectives import (
     CustomComm, all_gather, all_reduce, allocate, explain_failure, grad_reduction,
     reduce_scatter,
 )
+from ._codec import AllGatherCodec
 from ._param import ShardedParam
 
 
@@ -21,8 +22,9 @@ class _Gather(NamedTuple):
     gathered: torch.Tensor
     work: Work | None
     rows: int  # ranks gathered from
-    sizes: list[int]  # each parameter's padded shard, per row
+    sizes: list[int]  # each parameter's padded shard, per row (bytes if encoded)
     from_post_forward: bool
+    encoded: bool  # uint8 rows of codec encodings; see _encode
 
 
 class Unit:
@@ -48,6 +50,7 @@ class Unit:
         self.force_sum_reduction = False
         self.requires_all_reduce = True
         self.custom_all_gather: CustomComm | None = None
+        self.codecs: dict[ShardedParam, AllGatherCodec] = {}
         self.custom_reduce_scatter: CustomComm | None = None
         # HSDP without all-reduce: each parameter's reduce-scattered gradient shard, summed
         # until a backward all-reduces again (gradient accumulation across replicas).
@@ -93,6 +96,10 @@ class Unit:
             shards = torch.cat([p.post_forward_shard for p in self.params])
             for p in self.params:
                 p.post_forward_shard = None
+        elif self.codecs:
+            self.adopt_registered()
+            group = self.group
+            shards, sizes = self._encode()
         else:
             self.adopt_registered()
             group, sizes = self.group, self._gather_sizes
@@ -105,7 +112,8 @@ class Unit:
         with explain_failure(self.label, "all-gather", group.size()):
             work = all_gather(gathered, shards, group, async_op, self.custom_all_gather)
         self._pending_gather = _Gather(
-            gathered, work, group.size(), sizes, group is not self.group
+            gathered, work, group.size(), sizes, group is not self.group,
+            shards.dtype == torch.uint8 and bool(self.codecs),
         )
         if not async_op:
             self.wait_for_unshard()
@@ -119,15 +127,44 @@ class Unit:
         if gather.work is not None:
             with explain_failure(self.label, "all-gather", gather.rows):
                 gather.work.wait()
-        torch.split_with_sizes_copy(
-            gather.gathered.view(gather.rows, -1),
-            gather.sizes,
-            dim=1,
-            out=[p.allocate_unsharded(gather.from_post_forward) for p in self.params],
-        )
+        if gather.encoded:
+            self._decode(gather)
+        else:
+            torch.split_with_sizes_copy(
+                gather.gathered.view(gather.rows, -1),
+                gather.sizes,
+                dim=1,
+                out=[p.allocate_unsharded(gather.from_post_forward) for p in self.params],
+            )
         for p in self.params:
             p.to_unsharded()
         self.is_unsharded = True
+
+    def _encode(self) -> tuple[torch.Tensor, list[int]]:
+        """The bytes this rank sends when some parameters have codecs: each parameter's
+        encoding (or its shard in param_dtype), padded to 8 bytes so that every piece of
+        the gathered rows can be viewed in any dtype again."""
+        pieces = []
+        for p in self.params:
+            shard = p.padded_shard.to(self.device, non_blocking=True)
+            codec = self.codecs.get(p)
+            if codec is None:
+                data = shard.to(self.param_dtype)
+            else:
+                data = codec.encode(shard, p.layout.padded_rows, p.layout.row_numel)
+            data = data.reshape(-1).view(torch.uint8)
+            pieces.append(torch.nn.functional.pad(data, (0, -data.numel() % 8)))
+        return torch.cat(pieces), [piece.numel() for piece in pieces]
+
+    def _decode(self, gather: _Gather) -> None:
+        rows = gather.gathered.view(gather.rows, -1).split(gather.sizes, dim=1)
+        for p, data in zip(self.params, rows):
+            out = p.allocate_unsharded(from_post_forward=False)
+            codec = self.codecs.get(p)
+            if codec is None:
+                out.copy_(data[:, : out.shape[1] * out.element_size()].view(out.dtype))
+            else:
+                codec.decode(data, out, p.layout.padded_rows, p.layout.row_numel)
 
     def reshard(self, keep_post_forward: bool = False) -> None:
         """Register the sharded parameters again and free the unsharded data; with
