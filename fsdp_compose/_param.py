@@ -136,8 +136,10 @@ class ShardedParam:
         return self.padded_shard.is_meta
 
     def materialize(self, unsharded: torch.Tensor) -> None:
-        """Keep this rank's rows of `unsharded` (an initialised meta parameter) as the shard."""
-        self._store_shard(unsharded[self._rows.start : self._rows.stop], self.sharded.requires_grad)
+        """Keep this rank's rows of `unsharded` (an initialised meta parameter) as the shard,
+        in the same parameter object (an optimizer built already keeps working)."""
+        rows = unsharded[self._rows.start : self._rows.stop]
+        self._store_shard(rows, self.sharded.requires_grad, keep=self.sharded)
 
     def shard_of(self, whole: torch.Tensor) -> DTensor:
         """This rank's rows of `whole` (a tensor of the parameter's shape), as a DTensor like ours."""

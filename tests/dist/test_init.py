@@ -68,8 +68,10 @@ def check_meta_init_matches_seeded_model() -> None:
     with torch.device("meta"):
         model = Transformer(tie_weights=True)
     per_block(model, fully_shard)
+    before = list(model.parameters())  # e.g. an optimizer built before materialize
     torch.manual_seed(0)
     materialize(model, init_fn=gpt_init)
+    assert all(p is q for p, q in zip(model.parameters(), before))  # the same objects
     assert model.head.weight is model.tok_emb.weight
     assert_same_params(model, ref)
     train_step_matches(model, ref)
