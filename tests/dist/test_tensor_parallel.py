@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, RowwiseParallel, parallelize_module,
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
 )
 
 from fsdp_compose import clip_grad_norm_, fully_shard
@@ -150,3 +150,83 @@ def check_state_dict_and_clipping_on_2d_params() -> None:
 
 def test_state_dict_and_clipping_on_2d_params(ranks):
     ranks.run(check_state_dict_and_clipping_on_2d_params, world_size=4)
+
+
+class SPAttention(nn.Module):
+    def __init__(self, dim: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, _ = h.shape
+        q, k, v = (proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SPBlock(nn.Module):
+    """Norms outside the parallel modules, so they can run sequence parallel."""
+
+    def __init__(self, dim: int = 16, head_dim: int = 4) -> None:
+        super().__init__()
+        self.attn_norm, self.ffn_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = SPAttention(dim, head_dim)
+        self.ffn = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+def sequence_parallel_plan(blocks: int) -> dict:
+    """Norms and the residual stream sharded on the sequence; attention and MLP gather it."""
+    gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan = {}
+    for i in range(blocks):
+        plan.update({
+            f"blocks.{i}.attn_norm": SequenceParallel(), f"blocks.{i}.ffn_norm": SequenceParallel(),
+            f"blocks.{i}.attn": gather_sequence, f"blocks.{i}.ffn": gather_sequence,
+            f"blocks.{i}.attn.q": ColwiseParallel(), f"blocks.{i}.attn.k": ColwiseParallel(),
+            f"blocks.{i}.attn.v": ColwiseParallel(),
+            f"blocks.{i}.attn.o": RowwiseParallel(output_layouts=Shard(1)),
+            f"blocks.{i}.ffn.0": ColwiseParallel(),
+            f"blocks.{i}.ffn.2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return plan
+
+
+def check_sequence_parallel() -> float:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    torch.manual_seed(0)
+    ref = nn.Module()
+    ref.blocks = nn.ModuleList([SPBlock(), SPBlock()])
+    models = [ref, copy.deepcopy(ref), copy.deepcopy(ref)]
+    for model, shard in zip(models[1:], (fully_shard, torch_fully_shard)):
+        parallelize_module(model, mesh["tp"], sequence_parallel_plan(2))
+        for block in model.blocks:
+            shard(block, mesh=mesh["dp"])
+        shard(model, mesh=mesh["dp"])
+
+    def run(model: nn.Module, x: torch.Tensor) -> None:
+        for block in model.blocks:
+            x = block(x)
+        x.pow(2).sum().backward()
+
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(0))
+    run(ref, x)
+    local = x.chunk(2)[dp_rank].chunk(2, dim=1)[tp_rank]  # dp: batch; tp: sequence
+    for model in models[1:]:
+        run(model, local)
+    grads = [{fqn: full(p.grad) for fqn, p in m.named_parameters()} for m in models]
+    for fqn, grad in grads[1].items():
+        # A sum loss: the dp average halves it; the tp ranks' sums add up in TP's backward.
+        torch.testing.assert_close(grad * 2, grads[0][fqn], msg=fqn)
+    return max(max_diff(grad, grads[2][fqn]) for fqn, grad in grads[1].items())
+
+
+def test_sequence_parallel_grads_match_single_process_and_torch(ranks):
+    assert ranks.run(check_sequence_parallel, world_size=4) == [0.0] * 4
