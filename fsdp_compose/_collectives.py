@@ -1,8 +1,9 @@
 """Every collective fsdp_compose sends: one all-gather of a unit's padded shards, one
 reduce-scatter of its padded gradients (an all-reduce across HSDP replicas; broadcasts when
 syncing from the first rank, all-reduces of norms when clipping, barriers around
-checkpoint renames, one gather of model fingerprints at the first forward). Nothing else in the package calls torch.distributed
-collectives, so this file shows all we put on the wire."""
+checkpoint renames, one gather of model fingerprints at the first forward). Nothing else
+in the package calls torch.distributed collectives, so this file shows all we put on the
+wire (custom comms a user sets excepted)."""
 
 from __future__ import annotations
 

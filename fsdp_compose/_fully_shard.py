@@ -259,11 +259,14 @@ def fully_shard(
     `reshard_after_forward`: free the unsharded parameters after forward and gather them
     again for backward; None means True, except for the root unit (the first to run
     forward), which keeps them. An int k (dividing the shard size, e.g. the ranks of one
-    host) keeps them sharded over groups of k consecutive ranks, so backward gathers there. `mp_policy`: the dtypes the unit gathers, computes and
-    reduces in. `offload_policy=CPUOffloadPolicy()` keeps the shards, their gradients and so
-    the optimizer step in CPU memory. `ignored_params` stay as they are: not sharded, not
+    host) keeps them sharded over groups of k consecutive ranks, so backward gathers there.
+    `mp_policy`: the dtypes the unit gathers, computes and reduces in.
+    `offload_policy=CPUOffloadPolicy()` keeps the shards, their gradients and so the
+    optimizer step in CPU memory. `ignored_params` stay as they are: not sharded, not
     reduced. A model built on the meta device is annotated as is, then given values by
     `materialize`; a model on CPU is moved to the mesh's device one shard at a time.
+    Tensor-parallel DTensor parameters (parallelize_module on mesh["tp"] first) are sharded
+    over `mesh=mesh["dp"]` as 2-D parameters.
 
     Ours, not torch's: `sync_module_states=True` first overwrites the unit's parameters and
     buffers with those of the mesh's first rank, so every rank starts identical.

@@ -26,7 +26,9 @@ def install_state_dict_hooks(state: UnitState) -> None:
         module.register_load_state_dict_post_hook(lambda m, _keys: state.unit.adopt_registered())
 
 
-def _keys(state: UnitState, module: nn.Module, prefix: str) -> Iterator[tuple[str, ShardedParam, nn.Module, str]]:
+def _keys(
+    state: UnitState, module: nn.Module, prefix: str
+) -> Iterator[tuple[str, ShardedParam, nn.Module, str]]:
     """(state-dict key, parameter, owner, attribute) for each of the unit's parameters
     registered under `module`."""
     names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
@@ -36,7 +38,9 @@ def _keys(state: UnitState, module: nn.Module, prefix: str) -> Iterator[tuple[st
                 yield f"{prefix}{name}.{attr}" if name else f"{prefix}{attr}", param, owner, attr
 
 
-def _report_sharded(state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+def _report_sharded(
+    state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str
+) -> None:
     """While the unit is unsharded, state_dict() would hold the unsharded parameters:
     put the shards in their place."""
     if not state.unit.is_unsharded:
@@ -47,7 +51,9 @@ def _report_sharded(state: UnitState, module: nn.Module, state_dict: dict[str, A
             state_dict[key] = param.sharded if kept_vars else param.sharded.detach()
 
 
-def _shard_loaded(state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+def _shard_loaded(
+    state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str
+) -> None:
     """Load into the shards: reshard an unsharded unit (its data is about to be stale) and
     cut whole tensors into this rank's shard. Mismatched shapes pass through to
     load_state_dict, whose error names the key and both shapes."""

@@ -82,7 +82,8 @@ class Unit:
         if mesh is None:
             self._post_forward_group, size, index = None, None, 0
         else:
-            self._post_forward_group, size, index = mesh.get_group(1), mesh.size(1), mesh.get_local_rank(1)
+            self._post_forward_group = mesh.get_group(1)
+            size, index = mesh.size(1), mesh.get_local_rank(1)
         for p in self.params:
             p.set_post_forward_group(size, index)
 
@@ -210,7 +211,7 @@ class Unit:
         ranks, as it does whenever every rank runs the same code path.
         """
         with_grad = [
-            (p, g if g is not None else torch.zeros(p.layout.shape, dtype=p.param_dtype, device=self.device))
+            (p, g if g is not None else self._zeros(p))
             for p in self.params
             if (g := p.take_grad()) is not None or self._partial_grad_exists(p)
         ]
@@ -248,6 +249,10 @@ class Unit:
             reduced.div_(reduction.post_divide)
         for p, shard in shards:
             p.hold_reduced(shard)
+
+    def _zeros(self, p: ShardedParam) -> torch.Tensor:
+        """A gradient for a parameter only an earlier HSDP reduction saw."""
+        return torch.zeros(p.layout.shape, dtype=p.param_dtype, device=self.device)
 
     def _partial_grad_exists(self, p: ShardedParam) -> bool:
         return p in self._pending_partials or (
