@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ._collectives import barrier
 
 INCOMPLETE = ".incomplete"  # suffix of a checkpoint being written
+REPLACED = ".replaced"  # suffix of the previous checkpoint while the new one takes its name
 
 
 def save_checkpoint(
@@ -51,9 +52,10 @@ def save_checkpoint(
     barrier()
     dcp.save(state, storage_writer=FileSystemWriter(staging))
     if _is_first_rank():
-        replaced = path.with_name(path.name + ".replaced")
+        replaced = path.with_name(path.name + REPLACED)
+        shutil.rmtree(replaced, ignore_errors=True)
         if path.exists():
-            path.rename(replaced)
+            path.rename(replaced)  # until the next line, the previous checkpoint is here
         staging.rename(path)
         shutil.rmtree(replaced, ignore_errors=True)
     barrier()
@@ -74,9 +76,12 @@ def load_checkpoint(
     path = Path(path)
     if not (path / ".metadata").is_file():
         staged = path.name.endswith(INCOMPLETE) or path.with_name(path.name + INCOMPLETE).exists()
+        previous = path.with_name(path.name + REPLACED)
         raise FileNotFoundError(
             f"load_checkpoint: {str(path)!r} is not a complete checkpoint (no .metadata)"
             + ("; a save into it was interrupted" if staged else "")
+            + (f"; the checkpoint it replaced is at {str(previous)!r}"
+               if (previous / ".metadata").is_file() else "")
             + ". Load the last checkpoint that save_checkpoint finished."
         )
     reader = _MetadataCheckingReader(path)
