@@ -1,0 +1,79 @@
+"""CPU overhead per unit of fsdp_compose and torch's fully_shard, in one process.
+
+    python benchmarks/overhead.py                # W=8 fake ranks, 64 Linear(64, 64) units
+
+With the fake process group collectives cost nothing, so a training step's time minus the
+same model's unsharded step, divided by the number of units, is the runtime's own CPU
+time per unit per forward + backward. Both contenders run interleaved, in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fsdp_compose import fully_shard
+
+
+def build(units: int, dim: int, shard) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(dim, dim) for _ in range(units)))
+    if shard is not None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            shard(layer, mesh=mesh)
+        shard(model, mesh=mesh)
+    return model
+
+
+def step_seconds(model: nn.Module, x: torch.Tensor, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        model(x).sum().backward()
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--units", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    torch.set_num_threads(1)
+    x = torch.randn(args.batch, args.dim)
+    models = {
+        "unsharded": build(args.units, args.dim, None),
+        "torch fully_shard": build(args.units, args.dim, torch_fully_shard),
+        "fsdp_compose": build(args.units, args.dim, fully_shard),
+    }
+    for model in models.values():
+        step_seconds(model, x, 3)  # warm up: lazy init, allocator
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(args.repeats):  # interleaved, so drift hits every contender alike
+        for name, model in models.items():
+            times[name].append(step_seconds(model, x, args.steps))
+    floor = statistics.median(times["unsharded"])
+    print(f"torch {torch.__version__}  fake pg  world={args.world}  {args.units} x "
+          f"Linear({args.dim}, {args.dim})  batch {args.batch}  median of {args.repeats}")
+    print(f"{'variant':<20}{'step ms':>10}{'us / unit':>12}")
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        per_unit = (median - floor) / args.units * 1e6
+        print(f"{name:<20}{median * 1e3:>10.2f}{per_unit:>12.1f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
