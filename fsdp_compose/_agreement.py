@@ -25,7 +25,7 @@ def check_ranks_agree(states: list[UnitState], mesh: DeviceMesh, problem: str | 
             continue
         with explain_failure(states[0].label, "model check of the first forward", group.size()):
             gathered = all_gather_object(local, group)
-        for units, rank_problem in gathered:
+        for _, rank_problem in gathered:
             if rank_problem is not None:
                 raise RuntimeError(rank_problem)
         for index, (units, _) in enumerate(gathered[1:], start=1):

@@ -49,9 +49,10 @@ class Unit:
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
         self.requires_all_reduce = True
+        # Extension points (FSDPModule setters): a user's collectives, per-parameter codecs.
         self.custom_all_gather: CustomComm | None = None
-        self.codecs: dict[ShardedParam, AllGatherCodec] = {}
         self.custom_reduce_scatter: CustomComm | None = None
+        self.codecs: dict[ShardedParam, AllGatherCodec] = {}
         # HSDP without all-reduce: each parameter's reduce-scattered gradient shard, summed
         # until a backward all-reduces again (gradient accumulation across replicas).
         self._partial_grads: dict[ShardedParam, torch.Tensor] = {}
