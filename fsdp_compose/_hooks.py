@@ -234,6 +234,12 @@ class UnitState:
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            # The common case, one tensor in, without the pytree walk.
+            if not args[0].requires_grad:
+                return args, kwargs
+            self._pending_post_backward += 1
+            return _PostBackward.apply(self, args[0]), kwargs
         flat, spec = tree_flatten((args, kwargs))
         where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not where:
@@ -247,7 +253,7 @@ class UnitState:
     def _register_pre_backward(self, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        for x in tree_leaves(output):
+        for x in (output,) if isinstance(output, torch.Tensor) else tree_leaves(output):
             if isinstance(x, torch.Tensor) and x.requires_grad:
                 x.register_hook(self._pre_backward)
 
