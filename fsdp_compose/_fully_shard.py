@@ -145,10 +145,22 @@ class FSDPModule:
         )
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        self._not_yet("explicit forward prefetch")
+        """Start gathering `modules`' units as soon as this unit is gathered in forward, so
+        their all-gathers overlap this unit's compute (e.g. the next block or two)."""
+        self._state().forward_prefetch = self._prefetch_states(modules, "forward")
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        self._not_yet("explicit backward prefetch")
+        """Start gathering `modules`' units as soon as this unit is gathered in backward
+        (e.g. the previous block, whose backward runs next)."""
+        self._state().backward_prefetch = self._prefetch_states(modules, "backward")
+
+    def _prefetch_states(self, modules: list[FSDPModule], where: str) -> list[UnitState]:
+        if bad := [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]:
+            raise ValueError(
+                f"{type(self).__name__}.set_modules_to_{where}_prefetch: {bad} are not "
+                "annotated; pass modules that fully_shard annotated."
+            )
+        return [m._state() for m in modules]
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of `set_gradient_divide_factor`, as in torch."""

@@ -77,6 +77,9 @@ class UnitState:
     # id -> weak reference of each parameter as it was before sharding, to recognise a
     # parameter tied to one outside the unit when an enclosing module is annotated.
     original_params: dict[int, weakref.ref[nn.Parameter]] = field(default_factory=dict)
+    # Units to start gathering once this one is unsharded, in forward and in backward.
+    forward_prefetch: list[UnitState] = field(default_factory=list)
+    backward_prefetch: list[UnitState] = field(default_factory=list)
     _modules_to_run: set[nn.Module] = field(default_factory=set)
     _pending_post_backward: int = 0  # identity functions whose backward has not run yet
 
@@ -170,6 +173,8 @@ class UnitState:
                 self.ctx.forward_root = self
         self._enter(Phase.FORWARD)
         self._unshard()
+        for other in self.forward_prefetch:
+            other.unit.unshard(async_op=True)  # overlaps this unit's compute; waited for there
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs)
@@ -265,6 +270,9 @@ class UnitState:
             self._queue_final_callback()
         if self.unshard_in_backward:
             self._unshard()
+        for other in self.backward_prefetch:
+            if other.unshard_in_backward:
+                other.unit.unshard(async_op=True)
 
     def post_backward(self) -> None:
         """Run once the unit's backward is done: every forward's identity function fired."""
