@@ -7,8 +7,8 @@ wire (custom comms a user sets excepted)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -26,6 +26,7 @@ class GradReduction(NamedTuple):
     post_divide: float | None
 
 
+@functools.cache  # a unit asks at every reduction, with the same arguments
 def grad_reduction(
     shard_size: int, replicate_size: int, dtype: torch.dtype, divide_factor: float | None,
     force_sum: bool,
@@ -71,7 +72,9 @@ def allocate(
     comm: CustomComm | None, size: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """A communication buffer, from the custom comm's allocator when it has one."""
-    if comm is not None and hasattr(comm, "allocate"):
+    if comm is None:
+        return torch.empty(size, dtype=dtype, device=device)
+    if hasattr(comm, "allocate"):
         return comm.allocate(size, dtype=dtype, device=device)
     return torch.empty(size, dtype=dtype, device=device)
 
@@ -92,19 +95,18 @@ def all_gather(
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, reduction: GradReduction,
     custom: CustomComm | None = None,
-) -> None:
-    """Reduce `input` (row r: the values for rank r) across `group`; rank r keeps row r.
-    Applies the pre-scale; the post-divide is the caller's, after any all-reduce."""
+) -> dist.Work | None:
+    """Start reducing `input` (row r: the values for rank r) across `group`; rank r keeps
+    row r. Applies the pre-scale; the post-divide is the caller's, after any all-reduce.
+    Returns the Work to wait for (None: done)."""
     if reduction.pre_scale is not None:
         input.mul_(reduction.pre_scale)
     if custom is not None:
-        if (work := custom(output, input, group, reduction.op)) is not None:
-            work.wait()
-        return
+        return custom(output, input, group, reduction.op, async_op=True)
     if group.size() == 1:
         output.copy_(input)
-        return
-    dist.reduce_scatter_single(output, input, op=reduction.op, group=group)
+        return None
+    return dist.reduce_scatter_single(output, input, op=reduction.op, group=group, async_op=True)
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType, group: ProcessGroup) -> None:
@@ -131,15 +133,24 @@ def barrier() -> None:
         dist.barrier()
 
 
-@contextlib.contextmanager
-def explain_failure(unit: str, collective: str, ranks: int) -> Iterator[None]:
-    """Say which unit and collective a failed (e.g. timed-out) collective belonged to."""
-    try:
-        yield
-    except RuntimeError as error:
-        raise RuntimeError(
-            f"fsdp_compose: the {collective} of unit {unit} over {ranks} ranks failed on "
-            f"rank {dist.get_rank()}: {error}\nAnother rank probably raised or stopped before "
-            "this collective: look for its error. How long a rank waits is the process "
-            "group's timeout: init_process_group(..., timeout=datetime.timedelta(minutes=...))."
-        ) from error
+class explain_failure:
+    """Context manager: say which unit and collective a failed (e.g. timed-out) collective
+    belonged to. A class, not a generator: it wraps every collective of the hot path."""
+
+    __slots__ = ("unit", "collective", "ranks")
+
+    def __init__(self, unit: str, collective: str, ranks: int) -> None:
+        self.unit, self.collective, self.ranks = unit, collective, ranks
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, error: BaseException | None, traceback: object) -> None:
+        if isinstance(error, RuntimeError):
+            raise RuntimeError(
+                f"fsdp_compose: the {self.collective} of unit {self.unit} over {self.ranks} "
+                f"ranks failed on rank {dist.get_rank()}: {error}\nAnother rank probably raised "
+                "or stopped before this collective: look for its error. How long a rank waits "
+                "is the process group's timeout: init_process_group(..., "
+                "timeout=datetime.timedelta(minutes=...))."
+            ) from error

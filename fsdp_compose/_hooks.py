@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
 from ._agreement import check_ranks_agree
+from ._comm_context import CommContext
 from ._policies import MixedPrecisionPolicy
 from ._unit import Unit
 
@@ -56,6 +58,13 @@ class IterContext:
     states: list[UnitState]  # every unit under the root, in module order
     forward_root: UnitState | None = None  # the unit whose forward encloses the others'
     final_callback_queued: bool = False
+    # This iteration's units in the order their forwards began (implicit forward prefetch
+    # follows the last iteration's) and ended (backward prefetch walks it backwards).
+    forward_order: list[UnitState] = field(default_factory=list)
+    last_forward_order: list[UnitState] = field(default_factory=list)
+    post_forward_order: list[UnitState] = field(default_factory=list)
+    # Units prefetched in this forward: any that did not run are resharded at its end.
+    forward_prefetched: list[UnitState] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -77,21 +86,27 @@ class UnitState:
     # id -> weak reference of each parameter as it was before sharding, to recognise a
     # parameter tied to one outside the unit when an enclosing module is annotated.
     original_params: dict[int, weakref.ref[nn.Parameter]] = field(default_factory=dict)
-    # Units to start gathering once this one is unsharded, in forward and in backward.
+    comm: CommContext = field(default_factory=CommContext)  # the root's, after lazy init
+    # Units to start gathering once this one is unsharded, in forward and in backward
+    # (explicit, set_modules_to_*_prefetch). Without, backward prefetches the unit whose
+    # forward ended before this one's, and forward (if `implicit_forward_prefetch`) the
+    # unit whose forward began after this one's in the last iteration.
     forward_prefetch: list[UnitState] = field(default_factory=list)
-    backward_prefetch: list[UnitState] = field(default_factory=list)
+    backward_prefetch: list[UnitState] | None = None
+    implicit_forward_prefetch: bool = False
+    _forward_index: int = -1  # in ctx.forward_order / ctx.post_forward_order
+    _post_forward_index: int = -1
     _modules_to_run: set[nn.Module] = field(default_factory=set)
     _pending_post_backward: int = 0  # identity functions whose backward has not run yet
 
     def install_hooks(self) -> None:
-        # torch.compile of an annotated module runs the hooks eagerly, with graph breaks
-        # around them: they communicate and resize storage, which graphs cannot hold.
-        eager = torch.compiler.disable
         for module in self.modules:
-            module.register_forward_pre_hook(eager(self.pre_forward), prepend=True, with_kwargs=True)
-            module.register_forward_hook(eager(self.post_forward))
+            module.register_forward_pre_hook(
+                _eager(self.pre_forward), prepend=True, with_kwargs=True
+            )
+            module.register_forward_hook(_eager(self.post_forward))
             # Runs after post_forward, and also when forward raised (post_forward did not).
-            module.register_forward_hook(eager(self._after_forward), always_call=True)
+            module.register_forward_hook(_eager(self._after_forward), always_call=True)
 
     def owned_before_sharding(self, param: nn.Parameter) -> bool:
         ref = self.original_params.get(id(param))
@@ -145,9 +160,15 @@ class UnitState:
         check_ranks_agree(states, self.unit.mesh, problem)
         if problem is not None:  # a one-rank mesh has no gather to raise it
             raise RuntimeError(problem)
+        if changed := [s.label for s in states if s is not self and s.comm.changed_by]:
+            raise ValueError(
+                f"fsdp_compose: the communication bounds were set on {changed}, which are "
+                f"not roots: their root {self.label} runs them. Call the setter on the root."
+            )
         ctx = IterContext(root=self, states=states)
         for state in states:
             state.ctx = ctx
+            state.comm = self.comm
             if state.reshard_after_forward is None:
                 # The root's parameters would be freed and gathered again at once.
                 state.reshard_after_forward = state is not self
@@ -167,18 +188,31 @@ class UnitState:
             # The last backward raised before it finished: forget it, keep what earlier
             # backwards accumulated, and start this iteration from a clean state.
             self.ctx.root.reset_iter_state()
+        ctx = self.ctx
         if self.phase is Phase.IDLE:
             self._modules_to_run = set(self.modules)
-            if self.ctx.forward_root is None:
-                self.ctx.forward_root = self
+            if ctx.forward_root is None:
+                ctx.forward_root = self
+                if ctx.forward_order:
+                    ctx.last_forward_order = ctx.forward_order
+                ctx.forward_order, ctx.post_forward_order = [], []
+            self._forward_index = len(ctx.forward_order)
+            ctx.forward_order.append(self)
         self._enter(Phase.FORWARD)
         self._unshard()
-        for other in self.forward_prefetch:
-            other.unit.unshard(async_op=True)  # overlaps this unit's compute; waited for there
+        for other in self._forward_prefetch_targets():
+            self.comm.prefetch(other.unit)  # overlaps this unit's compute; waited for there
+            ctx.forward_prefetched.append(other)
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
+
+    def _forward_prefetch_targets(self) -> list[UnitState]:
+        if self.forward_prefetch or not self.implicit_forward_prefetch:
+            return self.forward_prefetch
+        last, i = self.ctx.last_forward_order, self._forward_index + 1
+        return last[i : i + 1] if len(last) > i and last[i - 1] is self else []
 
     def _cast_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -198,6 +232,7 @@ class UnitState:
         self._finish_forward()
         if self.ctx.forward_root is self:
             self.ctx.forward_root = None
+            self._reshard_unused_prefetches()
             # A list unit whose modules did not all run (e.g. a head skipped by a chunked
             # loss) still ends its forward with the forward that enclosed it.
             for state in self.ctx.states:
@@ -206,6 +241,14 @@ class UnitState:
                     state._register_pre_backward(output)
                     state._finish_forward()
         return output
+
+    def _reshard_unused_prefetches(self) -> None:
+        """Units prefetched in this forward that then did not run (the order changed)."""
+        ran = set(map(id, self.ctx.forward_order))
+        for state in self.ctx.forward_prefetched:
+            if id(state) not in ran:
+                state.unit.reshard()
+        self.ctx.forward_prefetched.clear()
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """If `module`'s forward raised, undo what its pre-hook did; if it was the forward
@@ -227,6 +270,8 @@ class UnitState:
 
     def _finish_forward(self) -> None:
         self._enter(Phase.IDLE)
+        self._post_forward_index = len(self.ctx.post_forward_order)
+        self.ctx.post_forward_order.append(self)
         if not torch.is_grad_enabled():
             self.unit.reshard()  # no backward can follow a forward without grad
         elif self.reshard_after_forward:
@@ -270,9 +315,15 @@ class UnitState:
             self._queue_final_callback()
         if self.unshard_in_backward:
             self._unshard()
-        for other in self.backward_prefetch:
+        for other in self._backward_prefetch_targets():
             if other.unshard_in_backward:
-                other.unit.unshard(async_op=True)
+                self.comm.prefetch(other.unit)  # overlaps this unit's gradient computation
+
+    def _backward_prefetch_targets(self) -> list[UnitState]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        order, i = self.ctx.post_forward_order, self._post_forward_index
+        return order[i - 1 : i] if 0 < i < len(order) and order[i] is self else []
 
     def post_backward(self) -> None:
         """Run once the unit's backward is done: every forward's identity function fired."""
@@ -284,7 +335,7 @@ class UnitState:
 
     def _reduce_and_reshard(self) -> None:
         if self.requires_gradient_sync:
-            self.unit.reduce_grads()  # without sync, the gradients wait in unsharded form
+            self.comm.reduce(self.unit)  # without sync, the gradients wait in unsharded form
         if self.reshard_after_backward:
             self.unit.reshard()
 
@@ -306,6 +357,7 @@ class UnitState:
                     state.unit.reshard()
             state.phase = Phase.IDLE
             state._pending_post_backward = 0
+        self.comm.finish_reductions()
         for state in self.ctx.states:  # see Note [gradients per backward] in _param.py
             state.unit.commit_backward()
         self.ctx.final_callback_queued = False
@@ -323,6 +375,22 @@ class UnitState:
         if self.ctx is not None:
             self.ctx.forward_root = None
             self.ctx.final_callback_queued = False
+            self.ctx.forward_prefetched.clear()
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook`, run eagerly when torch.compile traces the module: hooks communicate and
+    resize storage, which graphs cannot hold, so compilation breaks the graph around them.
+    Outside compilation the hook is called directly (a disabled function's wrapper costs
+    more than the hook's own bookkeeping)."""
+    disabled = torch.compiler.disable(hook)
+
+    def call(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return disabled(*args)
+        return hook(*args)
+
+    return call
 
 
 def _in_backward() -> bool:

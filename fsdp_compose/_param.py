@@ -288,26 +288,16 @@ class ShardedParam:
         self.unsharded.grad = None
         self._pending_shard, self._accumulated_spent = None, False
 
-    def write_grad_rows(self, grad: torch.Tensor, rows: torch.Tensor) -> None:
-        """Copy the unsharded `grad` into `rows` (shard_size, padded_shard_numel), padded."""
-        padded_rows, row_numel = self.layout.padded_rows, self.layout.row_numel
-        blocks = rows.view(rows.shape[0], padded_rows, row_numel)  # [rank, row, element]
-        grad_rows = grad.reshape(-1, row_numel)
-        full, rest = divmod(grad_rows.shape[0], padded_rows)
-        blocks[:full].copy_(grad_rows[: full * padded_rows].view(full, padded_rows, row_numel))
-        if full < blocks.shape[0]:
-            blocks[full, :rest].copy_(grad_rows[full * padded_rows :])
-            blocks[full, rest:].zero_()
-            blocks[full + 1 :].zero_()
-
     def _accumulate_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient shard (flat, padded) to the sharded `.grad`."""
         local = padded_grad_shard[: self._local_shape.numel()].view(self._local_shape)
         local = local.to(self.padded_shard.device, self.padded_shard.dtype)  # offload: to CPU
         if self.sharded.grad is None:
-            self.sharded.grad = self._as_dtensor(local)
+            # The parameter's own spec, without from_local's autograd function: this runs
+            # for every parameter after every backward.
+            self.sharded.grad = DTensor(local, self.sharded._spec, requires_grad=False)
         else:
-            self.sharded.grad.to_local().add_(local)
+            _local_of(self.sharded.grad).add_(local)
 
 
 def _local_of(dtensor: DTensor) -> torch.Tensor:

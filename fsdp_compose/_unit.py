@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -9,8 +10,8 @@ from torch.distributed import ProcessGroup, Work
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._collectives import (
-    CustomComm, all_gather, all_reduce, allocate, explain_failure, grad_reduction,
-    reduce_scatter,
+    CustomComm, GradReduction, all_gather, all_reduce, allocate, explain_failure,
+    grad_reduction, reduce_scatter,
 )
 from ._codec import AllGatherCodec
 from ._param import ShardedParam
@@ -25,6 +26,18 @@ class _Gather(NamedTuple):
     sizes: list[int]  # each parameter's padded shard, per row (bytes if encoded)
     from_post_forward: bool
     encoded: bool  # uint8 rows of codec encodings; see _encode
+
+
+class _Reduction(NamedTuple):
+    """A reduce-scatter in flight: its buffers (kept alive until it is done), and whose
+    gradient shards its output holds."""
+
+    work: Work | None
+    input: torch.Tensor
+    output: torch.Tensor
+    params: list[ShardedParam]
+    sizes: list[int]  # each parameter's padded shard
+    reduction: GradReduction
 
 
 class Unit:
@@ -49,6 +62,10 @@ class Unit:
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
         self.requires_all_reduce = True
+        self.reduce_scatter_unused_params = False
+        # Run on each reduced gradient buffer before the final division (set_all_reduce_hook).
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.reduce_scatter_group = self.group  # set_separate_reduce_scatter_group changes it
         # Extension points (FSDPModule setters): a user's collectives, per-parameter codecs.
         self.custom_all_gather: CustomComm | None = None
         self.custom_reduce_scatter: CustomComm | None = None
@@ -61,6 +78,7 @@ class Unit:
         self._spent_partials: set[ShardedParam] = set()
         self._gather_sizes = [p.layout.padded_shard_numel for p in params]
         self._pending_gather: _Gather | None = None
+        self._pending_reduction: _Reduction | None = None
         self._post_forward_group: ProcessGroup | None = None
         self._post_forward_kept = False  # whether the params hold post-forward shards now
 
@@ -119,6 +137,10 @@ class Unit:
         )
         if not async_op:
             self.wait_for_unshard()
+
+    @property
+    def gather_in_flight(self) -> bool:
+        return self._pending_gather is not None
 
     def wait_for_unshard(self) -> None:
         """Finish a started all-gather: copy out into the unsharded parameters, register them."""
@@ -200,31 +222,41 @@ class Unit:
 
     def discard_backward(self) -> None:
         """The backward did not finish: forget its gradients, keep the earlier ones."""
+        if self._pending_reduction is not None:
+            pending, self._pending_reduction = self._pending_reduction, None
+            if pending.work is not None:
+                pending.work.wait()  # the backend may still write into its buffers
         for p in self.params:
             p.discard()
         self._spent_partials, self._pending_partials = set(), {}
 
-    def reduce_grads(self) -> None:
-        """Average the unsharded gradients over the mesh into the sharded `.grad`s.
+    def reduce_grads(self) -> bool:
+        """Start averaging the unsharded gradients over the mesh; `finish_reduction` puts
+        them into the sharded `.grad`s. Returns whether there was anything to reduce.
 
-        Only parameters that received a gradient take part, so frozen and unused ones keep
-        `.grad is None` as in single-process training; which ones did must agree across
-        ranks, as it does whenever every rank runs the same code path.
+        Only parameters that received a gradient take part (all that require one with
+        `reduce_scatter_unused_params`), so frozen and unused ones keep `.grad is None` as
+        in single-process training; which ones did must agree across ranks, as it does
+        whenever every rank runs the same code path.
         """
+        self.finish_reduction()  # this unit's reduction of an earlier part of the backward
         with_grad = [
             (p, g if g is not None else self._zeros(p))
             for p in self.params
-            if (g := p.take_grad()) is not None or self._partial_grad_exists(p)
+            if (g := p.take_grad()) is not None
+            or self._partial_grad_exists(p)
+            or (self.reduce_scatter_unused_params and p.sharded.requires_grad)
         ]
         if not with_grad:
-            return
+            return False
         sizes = [p.layout.padded_shard_numel for p, _ in with_grad]
-        grads = allocate(  # row r: what rank r keeps, param after param
+        grads = allocate(  # row r: what rank r keeps, param after param, padded
             self.custom_reduce_scatter, (self.shard_size, sum(sizes)), self.reduce_dtype,
             with_grad[0][1].device,
         )
-        for (p, grad), rows in zip(with_grad, grads.split(sizes, dim=1)):
-            p.write_grad_rows(grad, rows)
+        # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
+        # pads them to the shard layout and casts to reduce_dtype.
+        torch._chunk_cat([g for _, g in with_grad], dim=0, num_chunks=self.shard_size, out=grads)
         reduced = allocate(self.custom_reduce_scatter, (sum(sizes),), grads.dtype, grads.device)
         replicas = self.replicate_group.size() if self.replicate_group is not None else 1
         reduction = grad_reduction(
@@ -232,10 +264,26 @@ class Unit:
             self.force_sum_reduction,
         )
         with explain_failure(self.label, "reduce-scatter", self.shard_size):
-            reduce_scatter(
-                reduced, grads.view(-1), self.group, reduction, self.custom_reduce_scatter
+            work = reduce_scatter(
+                reduced, grads.view(-1), self.reduce_scatter_group, reduction,
+                self.custom_reduce_scatter,
             )
-        shards = [(p, shard) for (p, _), shard in zip(with_grad, reduced.split(sizes))]
+        params = [p for p, _ in with_grad]
+        self._pending_reduction = _Reduction(work, grads, reduced, params, sizes, reduction)
+        return True
+
+    def finish_reduction(self) -> None:
+        """Wait for the reduce-scatter `reduce_grads` started; all-reduce across replicas
+        (HSDP), run the all-reduce hook, divide, and hold each parameter's shard until the
+        backward finishes."""
+        if (pending := self._pending_reduction) is None:
+            return
+        self._pending_reduction = None
+        if pending.work is not None:
+            with explain_failure(self.label, "reduce-scatter", self.shard_size):
+                pending.work.wait()
+        reduced, reduction = pending.output, pending.reduction
+        shards = list(zip(pending.params, reduced.split(pending.sizes)))
         if self.replicate_group is not None:
             for p, shard in shards:
                 if (partial := self._partial_grad(p)) is not None:
@@ -243,9 +291,12 @@ class Unit:
             if not self.requires_all_reduce:
                 self._pending_partials.update(shards)
                 return
+            replicas = self.replicate_group.size()
             with explain_failure(self.label, "all-reduce", replicas):
                 all_reduce(reduced, reduction.all_reduce_op, self.replicate_group)
             self._spent_partials.update(p for p, _ in shards)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(reduced)
         if reduction.post_divide is not None:
             reduced.div_(reduction.post_divide)
         for p, shard in shards:
