@@ -4,7 +4,9 @@ from ._activation_checkpointing import checkpoint_blocks
 from ._checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from ._clip import clip_grad_norm_
 from ._codec import AllGatherCodec, Int8RowCodec
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._fully_shard import (
+    FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx,
+)
 from ._init import materialize
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._replicate import replicate
@@ -28,5 +30,6 @@ __all__ = [
     "register_fsdp_forward_method",
     "replicate",
     "save_checkpoint",
+    "share_comm_ctx",
     "wrap",
 ]

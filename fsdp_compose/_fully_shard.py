@@ -20,7 +20,7 @@ from ._codec import AllGatherCodec
 from ._collectives import CustomComm
 from ._hooks import STATE_ATTR, UnitState, state_of
 from ._init import sync_from_first_rank, unit_buffers
-from ._meshes import default_mesh, mesh_device, resolve_reshard_after_forward
+from ._meshes import default_mesh, mesh_device, resolve_reshard_after_forward, separate_group
 from ._param import ShardedParam
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._state_dict import install_state_dict_hooks
@@ -170,11 +170,52 @@ class FSDPModule:
         )
         self.set_gradient_divide_factor(factor)
 
-    def set_reduce_scatter_unused_params(self, enable: bool) -> None:
-        self._not_yet("reduce-scattering unused parameters")
+    def set_implicit_forward_prefetch(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Prefetch in forward without explicit lists: each unit starts gathering the unit
+        whose forward followed its own in the last iteration (ours; torch has no implicit
+        forward prefetch). Units prefetched but not run, when the order changes, are
+        resharded at the end of the forward. Explicit lists take precedence."""
+        for state in self._states(recurse):
+            state.implicit_forward_prefetch = enable
+
+    def set_max_all_gathers_in_flight(self, limit: int) -> None:
+        """At most `limit` (default 2) prefetched all-gathers in flight; prefetching another
+        first finishes the oldest. Bounds the unsharded memory prefetch can hold. Call on
+        the root (its units share the bound). Ours; torch's is fixed at 2."""
+        self._set_comm_bound("max_all_gathers", limit, "set_max_all_gathers_in_flight")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """At most `max_input_buffers` (default 1) gradient reductions in flight, each
+        holding its input and output buffers, while the next unit's backward computes.
+        Call on the root (its units share the bound; `recurse` is accepted for torch's
+        signature)."""
+        self._set_comm_bound("max_reductions", max_input_buffers, "set_reduce_scatter_max_input_buffers")
+
+    def _set_comm_bound(self, attr: str, value: int, setter: str) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{type(self).__name__}.{setter}: expected an int >= 1, got {value!r}.")
+        comm = self._state().comm
+        setattr(comm, attr, value)
+        comm.changed_by = type(self).__name__
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Reduce a zero gradient for parameters this rank's backward did not reach, so that
+        ranks whose control flow uses different parameters of a unit (mixture of experts,
+        multi-modal branches) still send the same reduce-scatter. Such parameters' `.grad`
+        is then a tensor (the average, zeros where no rank used them), never None."""
+        for state in self._states(recurse):
+            state.unit.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        self._not_yet("a post-optimizer event (it orders CUDA streams)")
+        """The next forward's all-gathers wait for `event` (recorded after an optimizer step
+        on another stream) instead of everything before them. Waited for once, then
+        dropped: set a new event every iteration. Call on the root."""
+        if not callable(getattr(event, "wait", None)):
+            raise TypeError(
+                f"{type(self).__name__}.set_post_optim_event: expected a torch.Event, got "
+                f"{type(event).__name__}."
+            )
+        self._state().post_optim_event = event
 
     def set_custom_all_gather(self, comm: CustomComm) -> None:
         """Gather this unit's parameters with `comm(output, input, group, async_op=False)`
@@ -189,7 +230,16 @@ class FSDPModule:
         self._state().unit.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
-        self._not_yet("an all-reduce hook")
+        """Call `hook(reduced)` on this unit's reduced gradients (the reduce-scatter output,
+        or the all-reduce output with HSDP) before the final division: e.g. an all-reduce
+        across another dimension. It must modify the buffer in place. fsdp_compose runs
+        collectives on the current stream, so the hook runs there: `stream` must be None."""
+        if stream is not None:
+            raise ValueError(
+                f"{type(self).__name__}.set_all_reduce_hook: fsdp_compose reduces gradients on "
+                "the current stream and runs the hook there; pass stream=None."
+            )
+        self._state().unit.all_reduce_hook = hook
 
     def set_all_gather_codec(
         self, codec: AllGatherCodec | None, params: list[str] | None = None
@@ -211,11 +261,13 @@ class FSDPModule:
             else:
                 unit.codecs[by_fqn[name]] = codec
 
-    def set_reduce_scatter_max_input_buffers(self, max_buffers: int) -> None:
-        self._not_yet("bounding reduce-scatter input buffers")
-
-    def set_separate_reduce_scatter_group(self, *args: Any, **kwargs: Any) -> None:
-        self._not_yet("a separate reduce-scatter process group")
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Reduce-scatter on a process group of its own (over the same ranks), so gradient
+        reductions in flight do not queue behind prefetched all-gathers. Collective over
+        each unit's shard ranks: call it on every rank alike."""
+        for state in self._states(recurse):
+            unit = state.unit
+            unit.reduce_scatter_group = separate_group(unit.group) if enable else unit.group
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         self._not_yet("allocating communication buffers from the process group (CUDA)")
@@ -323,6 +375,20 @@ def fully_shard(
     install_state_dict_hooks(state)
     mark_replaced(name, collected)
     return module  # type: ignore[return-value]
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Make the roots `modules` (e.g. pipeline stages on one rank) share one communication
+    context: one bound on prefetched all-gathers and on reductions in flight between them."""
+    if bad := [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]:
+        raise ValueError(f"share_comm_ctx: {bad} are not annotated; pass fully_shard modules.")
+    if not modules:
+        return
+    comm = modules[0]._state().comm
+    for module in modules[1:]:
+        state = module._state()
+        for other in state.ctx.states if state.ctx is not None else [state]:
+            other.comm = comm
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

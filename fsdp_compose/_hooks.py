@@ -94,6 +94,7 @@ class UnitState:
     forward_prefetch: list[UnitState] = field(default_factory=list)
     backward_prefetch: list[UnitState] | None = None
     implicit_forward_prefetch: bool = False
+    post_optim_event: Any = None  # a torch.Event the next forward's gathers wait for
     _forward_index: int = -1  # in ctx.forward_order / ctx.post_forward_order
     _post_forward_index: int = -1
     _modules_to_run: set[nn.Module] = field(default_factory=set)
@@ -193,6 +194,9 @@ class UnitState:
             self._modules_to_run = set(self.modules)
             if ctx.forward_root is None:
                 ctx.forward_root = self
+                if (event := ctx.root.post_optim_event) is not None:
+                    ctx.root.post_optim_event = None
+                    event.wait()  # the current stream, which gathers, waits for the optimizer
                 if ctx.forward_order:
                     ctx.last_forward_order = ctx.forward_order
                 ctx.forward_order, ctx.post_forward_order = [], []

@@ -1,5 +1,5 @@
 """The meshes fully_shard works on: the default one, and those derived from a user's mesh
-for replicate() and for reshard_after_forward=<int>."""
+for replicate() and for reshard_after_forward=<int>, and separate reduce-scatter groups."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -68,3 +69,15 @@ def resolve_reshard_after_forward(
     if value == mesh.size(-1):
         return True, None
     return True, post_forward_mesh(mesh, value)
+
+
+_separate_groups: dict[tuple[int, ...], ProcessGroup] = {}
+
+
+def separate_group(group: ProcessGroup) -> ProcessGroup:
+    """A second process group over `group`'s ranks (one per rank set), created once; a
+    collective among those ranks the first time."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _separate_groups:
+        _separate_groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _separate_groups[ranks]

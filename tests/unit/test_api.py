@@ -43,8 +43,16 @@ def test_public_names():
         "AllGatherCodec", "CPUOffloadPolicy", "FSDPModule", "Int8RowCodec", "MixedPrecisionPolicy", "OffloadPolicy",
         "UnshardHandle", "WrapPolicy", "checkpoint_blocks", "clip_grad_norm_", "export_safetensors", "fully_shard",
         "load_checkpoint", "materialize", "register_fsdp_forward_method", "replicate",
-        "save_checkpoint", "wrap",
+        "save_checkpoint", "share_comm_ctx", "wrap",
     ]
+
+
+def test_share_comm_ctx_is_torchs():
+    from torch.distributed.fsdp import share_comm_ctx
+
+    assert list(inspect.signature(fsdp_compose.share_comm_ctx).parameters) == list(
+        inspect.signature(share_comm_ctx).parameters
+    )
 
 
 def test_policies_are_frozen():
