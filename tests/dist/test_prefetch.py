@@ -200,8 +200,8 @@ class InFlightAllGather:
     def __init__(self) -> None:
         self.in_flight = self.most = 0
 
-    def __call__(self, output, input, group, async_op=False):
-        work = dist.all_gather_into_tensor(output, input, group=group, async_op=True)
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
         self.in_flight += 1
         self.most = max(self.most, self.in_flight)
         counted = _CountedWork(work, self)

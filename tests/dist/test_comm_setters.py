@@ -1,0 +1,233 @@
+"""The communication setters of torch's FSDPModule that shape gradient reduction and
+scheduling: each trains like single-process and like torch's fully_shard with the same
+setting, and does what it says (counted where counting shows it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_compose import fully_shard, share_comm_ctx
+from tests.dist.parity import Shard, per_block, train_and_compare
+from tests.models import MLP, feature_batch
+
+
+def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(x) - x[:, :1]).pow(2).mean()
+
+
+def annotated(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
+
+
+class InFlightReduceScatter:
+    """A reduce-scatter (torch's custom comm interface) counting reductions in flight."""
+
+    def __init__(self) -> None:
+        self.in_flight = self.most = self.calls = 0
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        work = dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=op, group=group, async_op=True
+        )
+        self.calls += 1
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        counter = self
+
+        class Counted:
+            def wait(self) -> bool:
+                counter.in_flight -= 1
+                return work.wait()
+
+        if async_op:
+            return Counted()
+        Counted().wait()
+        return None
+
+
+def check_reductions_in_flight(buffers: int | None) -> tuple[float, float, int, int]:
+    comms: list[InFlightReduceScatter] = []
+
+    def wrap(model: nn.Module, shard: Shard) -> None:
+        per_block(model, shard)
+        comm = InFlightReduceScatter()
+        comms.append(comm)
+        for module in annotated(model):
+            module.set_custom_reduce_scatter(comm)
+        if buffers is not None:
+            model.set_reduce_scatter_max_input_buffers(buffers)
+
+    errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap)
+    return (*errors, comms[0].most, comms[0].calls)
+
+
+@pytest.mark.parametrize(("buffers", "most"), [(None, 1), (2, 2), (3, 3)])
+def test_reductions_run_while_the_next_unit_computes(ranks, buffers, most):
+    """Each unit's reduce-scatter is left in flight; at most `buffers` (default 1) at once."""
+    vs_reference, vs_torch, in_flight, calls = ranks.run(
+        check_reductions_in_flight, world_size=2, buffers=buffers
+    )[0]
+    assert in_flight == most and calls == 3 * 4  # 3 steps, 4 layers (the root has none)
+    assert vs_torch == 0.0 and vs_reference < 1e-6
+
+
+class Experts(nn.Module):
+    """Two experts; each sample goes to one by the sign of its first feature, so a rank
+    whose samples all route one way leaves the other expert without a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        to_a = x[:, 0] > 0
+        parts = [expert(x[rows]) for expert, rows in ((self.a, to_a), (self.b, ~to_a)) if rows.any()]
+        return torch.cat(parts)
+
+
+class Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Experts()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](x)
+
+
+def routed_batch(step: int, batch: int) -> torch.Tensor:
+    """First half of the batch (rank 0's share at W=2) to expert a, second half to b."""
+    x = feature_batch(step, batch)
+    x[:, 0] = x[:, 0].abs() * torch.tensor([1.0] * (batch // 2) + [-1.0] * (batch - batch // 2))
+    return x
+
+
+def check_unused_params() -> tuple[float, float]:
+    def wrap(model: nn.Module, shard: Shard) -> None:
+        per_block(model, shard)
+        model.set_reduce_scatter_unused_params(True)
+
+    return train_and_compare(Routed, lambda m, x: m(x).pow(2).mean(), routed_batch, wrap=wrap)
+
+
+def test_unused_params_reduce_zeros_where_ranks_route_differently(ranks):
+    """Rank 0 uses only expert a, rank 1 only b: both still reduce both, the average
+    counting the other rank's zero, which is single-process training."""
+    vs_reference, vs_torch = ranks.run(check_unused_params, world_size=2)[0]
+    assert vs_torch == 0.0 and vs_reference < 1e-6
+
+
+def check_all_reduce_hook() -> tuple[float, float, int]:
+    calls = [0]
+
+    def halve(reduced: torch.Tensor) -> None:
+        calls[0] += 1
+        reduced.div_(dist.get_world_size())
+
+    def wrap(model: nn.Module, shard: Shard) -> None:
+        per_block(model, shard)
+        for module in annotated(model):
+            module.set_force_sum_reduction_for_comms(True)  # sum on the wire,
+            module.set_gradient_divide_factor(1.0)  # divided by 1: the hook averages
+            module.set_all_reduce_hook(halve)
+
+    errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap)
+    return (*errors, calls[0])
+
+
+def test_all_reduce_hook_runs_on_every_reduction(ranks):
+    vs_reference, vs_torch, calls = ranks.run(check_all_reduce_hook, world_size=2)[0]
+    assert calls == 2 * 3 * 4  # ours and torch's, 3 steps, 4 layers
+    assert vs_torch == 0.0 and vs_reference < 1e-6
+
+
+def check_all_reduce_hook_stream() -> None:
+    model = fully_shard(MLP())
+    with pytest.raises(ValueError, match="set_all_reduce_hook: .* pass stream=None"):
+        model.set_all_reduce_hook(lambda t: None, stream=object())
+
+
+def test_all_reduce_hook_runs_on_the_current_stream(ranks):
+    ranks.run(check_all_reduce_hook_stream, world_size=2)
+
+
+def check_separate_group() -> tuple[float, float, bool]:
+    units = []
+
+    def wrap(model: nn.Module, shard: Shard) -> None:
+        per_block(model, shard)
+        model.set_separate_reduce_scatter_group()
+        units.append(model.layers[0]._state().unit if hasattr(model, "_state") else None)
+
+    errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap)
+    unit = units[0]
+    separate = unit.reduce_scatter_group is not unit.group and dist.get_process_group_ranks(
+        unit.reduce_scatter_group
+    ) == dist.get_process_group_ranks(unit.group)
+    return (*errors, separate)
+
+
+def test_separate_reduce_scatter_group(ranks):
+    vs_reference, vs_torch, separate = ranks.run(check_separate_group, world_size=2)[0]
+    assert separate
+    assert vs_torch == 0.0 and vs_reference < 1e-6
+
+
+class RecordingEvent:
+    """Stands in for a torch.Event (CPU has none): records when it is waited for."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def wait(self, stream=None) -> None:
+        self.log.append("event")
+
+
+def check_post_optim_event() -> list[str]:
+    log: list[str] = []
+    model = MLP()
+    per_block(model, fully_shard)
+
+    def gather(output, input, group, async_op=False):
+        log.append("gather")
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+    for module in annotated(model):
+        module.set_custom_all_gather(gather)
+    x = feature_batch(0, 2)
+    mse_loss(model, x).backward()
+    log.clear()
+    model.set_post_optim_event(RecordingEvent(log))
+    mse_loss(model, x).backward()
+    mse_loss(model, x).backward()  # no new event: nothing waited
+    with pytest.raises(TypeError, match="set_post_optim_event: expected a torch.Event, got int"):
+        model.set_post_optim_event(1)
+    return log
+
+
+def test_post_optim_event_is_waited_once_before_the_next_gathers(ranks):
+    log = ranks.run(check_post_optim_event, world_size=2)[0]
+    assert log[0] == "event" and log.count("event") == 1
+    assert log[1:] == ["gather"] * (len(log) - 1)
+
+
+def check_share_comm_ctx() -> tuple[bool, int]:
+    first, second = MLP(), MLP(dims=(1, 8))
+    per_block(first, fully_shard)
+    per_block(second, fully_shard)
+    share_comm_ctx([first, second])
+    first.set_max_all_gathers_in_flight(1)
+    x = feature_batch(0, 2)
+    second(first(x)).sum().backward()
+    shared = all(m._state().comm is first._state().comm for m in annotated(second))
+    return shared, second.layers[0]._state().comm.max_all_gathers
+
+
+def test_share_comm_ctx_shares_one_context_between_roots(ranks):
+    shared, limit = ranks.run(check_share_comm_ctx, world_size=2)[0]
+    assert shared and limit == 1
