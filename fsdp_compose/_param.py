@@ -100,6 +100,18 @@ class ShardedParam:
         self.reduce_dtype = self._mp_policy.reduce_dtype or self.param_dtype
         self._allocate_unsharded_buffer(local.device if on_meta else self._device)
 
+    def move_shard_into(self, flat_piece: torch.Tensor) -> None:
+        """Keep the padded shard in `flat_piece` (this parameter's part of its unit's flat
+        shard, so the unit sends it without a copy), in the same parameter object."""
+        flat_piece.copy_(self.padded_shard)
+        self.padded_shard = flat_piece
+        local = flat_piece[: self._local_shape.numel()].view(self._local_shape)
+        grad = self.sharded.grad  # swap_tensors would move it to the discarded tensor
+        sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.sharded.requires_grad)
+        torch.utils.swap_tensors(self.sharded, sharded)
+        self.sharded.grad = grad
+        self._local = _local_of(self.sharded)
+
     def _allocate_unsharded_buffer(self, device: torch.device) -> None:
         shard_size = self.layout.shard_size
         self._unsharded_buffer = torch.empty(

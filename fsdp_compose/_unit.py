@@ -77,6 +77,12 @@ class Unit:
         self._pending_partials: dict[ShardedParam, torch.Tensor] = {}
         self._spent_partials: set[ShardedParam] = set()
         self._gather_sizes = [p.layout.padded_shard_numel for p in params]
+        # Every parameter's padded shard, back to back: what the all-gather sends, without
+        # a copy-in (or with one cast, under mixed precision). See _flat_shard.
+        self._flat: torch.Tensor | None = None
+        self._flat_pieces: list[torch.Tensor] = []
+        if params and not any(p.is_meta for p in params):
+            self._flat_shard()
         self._pending_gather: _Gather | None = None
         self._pending_reduction: _Reduction | None = None
         self._post_forward_group: ProcessGroup | None = None
@@ -123,9 +129,8 @@ class Unit:
         else:
             self.adopt_registered()
             group, sizes = self.group, self._gather_sizes
-            shards = torch.cat([p.padded_shard for p in self.params])  # copy-in: one flat send
             # Mixed precision gathers the dtype that computes; CPU offload gathers on the device.
-            shards = shards.to(self.device, self.param_dtype, non_blocking=True)
+            shards = self._flat_shard().to(self.device, self.param_dtype, non_blocking=True)
         gathered = allocate(  # row r: rank r's shards
             self.custom_all_gather, (group.size() * shards.numel(),), shards.dtype, shards.device
         )
@@ -137,6 +142,30 @@ class Unit:
         )
         if not async_op:
             self.wait_for_unshard()
+
+    def _flat_shard(self) -> torch.Tensor:
+        """The padded shards as one flat tensor. The parameters keep their shards in it,
+        unless something replaced a shard since (initialisation from meta, a changed
+        parameter): then it is built again and they move in."""
+        params = self.params
+        if self._flat is not None and all(
+            p.padded_shard is piece for p, piece in zip(params, self._flat_pieces)
+        ):
+            return self._flat
+        first = params[0].padded_shard
+        if any(p.padded_shard.dtype != first.dtype or p.padded_shard.device != first.device
+               for p in params):
+            return torch.cat([p.padded_shard.to(first.dtype) for p in params])  # can't share
+        # Parameters outlive an inference_mode forward that may get here first.
+        with torch.inference_mode(False), torch.no_grad():
+            self._flat = torch.empty(
+                sum(self._gather_sizes), dtype=first.dtype, device=first.device,
+                pin_memory=first.is_pinned(),
+            )
+            self._flat_pieces = list(self._flat.split(self._gather_sizes))
+            for p, piece in zip(params, self._flat_pieces):
+                p.move_shard_into(piece)
+        return self._flat
 
     @property
     def gather_in_flight(self) -> bool:
