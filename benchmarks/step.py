@@ -233,7 +233,7 @@ def report(result: dict, out: Path) -> None:
         values = [memory[n].get(category, 0) / 1024 for n in CONTENDERS]
         right.bar(CONTENDERS, values, bottom=bottom, label=category)
         bottom = [b + v for b, v in zip(bottom, values)]
-    right.axhline(bound / 1024, color="black", linestyle="--", label="analytic bound")
+    right.axhline(bound / 1024, color="black", linestyle="--", label="FSDP analytic bound")
     right.set_ylabel("peak memory per rank (KiB)")
     right.legend(fontsize=7)
     figure.suptitle(f"{result['config']['world_size']} ranks, {result['config']['device']}")
