@@ -309,7 +309,10 @@ class UnitState:
             return
         for x in (output,) if isinstance(output, torch.Tensor) else tree_leaves(output):
             if isinstance(x, torch.Tensor) and x.requires_grad:
-                x.register_hook(self._pre_backward)
+                if x.grad_fn is not None:  # cheaper than a tensor hook; runs just as early
+                    x.grad_fn.register_prehook(self._pre_backward)
+                else:
+                    x.register_hook(self._pre_backward)
 
     # -- backward --------------------------------------------------------------------------
 
