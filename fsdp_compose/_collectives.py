@@ -72,9 +72,7 @@ def allocate(
     comm: CustomComm | None, size: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """A communication buffer, from the custom comm's allocator when it has one."""
-    if comm is None:
-        return torch.empty(size, dtype=dtype, device=device)
-    if hasattr(comm, "allocate"):
+    if comm is not None and hasattr(comm, "allocate"):
         return comm.allocate(size, dtype=dtype, device=device)
     return torch.empty(size, dtype=dtype, device=device)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import enum
 import weakref
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -323,7 +323,8 @@ class UnitState:
         if self.unshard_in_backward:
             self._unshard()
         for other in self._backward_prefetch_targets():
-            if other.unshard_in_backward:
+            # Not one whose backward is done already (gathered again for nothing).
+            if other.unshard_in_backward and other.phase is not Phase.POST_BACKWARD:
                 self.comm.prefetch(other.unit)  # overlaps this unit's gradient computation
 
     def _backward_prefetch_targets(self) -> list[UnitState]:

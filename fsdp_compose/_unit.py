@@ -154,8 +154,8 @@ class Unit:
             return self._flat
         first = params[0].padded_shard
         if any(p.padded_shard.dtype != first.dtype or p.padded_shard.device != first.device
-               for p in params):
-            return torch.cat([p.padded_shard.to(first.dtype) for p in params])  # can't share
+               for p in params):  # mixed dtypes (with a param_dtype): copied in each time
+            return torch.cat([p.padded_shard.to(self.device, self.param_dtype) for p in params])
         # Parameters outlive an inference_mode forward that may get here first.
         with torch.inference_mode(False), torch.no_grad():
             self._flat = torch.empty(
