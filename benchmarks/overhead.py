@@ -1,10 +1,13 @@
 """CPU overhead per unit of fsdp_compose and torch's fully_shard, in one process.
 
     python benchmarks/overhead.py                # W=8 fake ranks, 64 Linear(64, 64) units
+    python benchmarks/overhead.py --backend gloo # one real gloo rank: no communication
 
-With the fake process group collectives cost nothing, so a training step's time minus the
-same model's unsharded step, divided by the number of units, is the runtime's own CPU
-time per unit per forward + backward. Both contenders run interleaved, in one process.
+With the fake process group collectives cost next to nothing (a call into torch.distributed
+each), so a training step's time minus the same model's unsharded step, divided by the
+number of units, is the runtime's own CPU time per unit per forward + backward. On a
+one-rank gloo group both runtimes skip communication altogether. Both contenders run
+interleaved, in one process.
 """
 
 from __future__ import annotations
@@ -43,14 +46,18 @@ def step_seconds(model: nn.Module, x: torch.Tensor, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--backend", choices=("fake", "gloo"), default="fake")
+    parser.add_argument("--world", type=int, default=8, help="ranks simulated (fake backend)")
     parser.add_argument("--units", type=int, default=64)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    if args.backend == "fake":
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.set_num_threads(1)
     x = torch.randn(args.batch, args.dim)
     models = {
@@ -65,7 +72,7 @@ def main() -> None:
         for name, model in models.items():
             times[name].append(step_seconds(model, x, args.steps))
     floor = statistics.median(times["unsharded"])
-    print(f"torch {torch.__version__}  fake pg  world={args.world}  {args.units} x "
+    print(f"torch {torch.__version__}  {args.backend}  world={dist.get_world_size()}  {args.units} x "
           f"Linear({args.dim}, {args.dim})  batch {args.batch}  median of {args.repeats}")
     print(f"{'variant':<20}{'step ms':>10}{'us / unit':>12}")
     for name, samples in times.items():

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 
 class GradReduction(NamedTuple):
@@ -87,7 +88,15 @@ def all_gather(
     if group.size() == 1:
         output.copy_(shard)  # replicate-only units and single-rank meshes send nothing
         return None
-    return dist.all_gather_single(output, shard, group=group, async_op=async_op)
+    # The process group's own method, which dist.all_gather_single calls after checks that
+    # cost more than the rest of a unit's unshard (our tensors are flat and ours).
+    options = AllgatherOptions()
+    options.asyncOp = async_op
+    work = group.all_gather_single(_real(output), _real(shard), options)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def reduce_scatter(
@@ -104,7 +113,15 @@ def reduce_scatter(
     if group.size() == 1:
         output.copy_(input)
         return None
-    return dist.reduce_scatter_single(output, input, op=reduction.op, group=group, async_op=True)
+    options = dist.ReduceScatterOptions()  # as in all_gather: the group's method directly
+    options.reduceOp = reduction.op
+    options.asyncOp = True
+    return group.reduce_scatter_single(_real(output), _real(input), options)
+
+
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    """Complex tensors travel as their real pairs, as torch.distributed sends them."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType, group: ProcessGroup) -> None:

@@ -98,7 +98,7 @@ class UnitState:
     _forward_index: int = -1  # in ctx.forward_order / ctx.post_forward_order
     _post_forward_index: int = -1
     _modules_to_run: set[nn.Module] = field(default_factory=set)
-    _pending_post_backward: int = 0  # identity functions whose backward has not run yet
+    _pending_post_backward: int = 0  # input nodes whose backward has not run yet
 
     def install_hooks(self) -> None:
         for module in self.modules:
@@ -289,11 +289,18 @@ class UnitState:
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-            # The common case, one tensor in, without the pytree walk.
-            if not args[0].requires_grad:
+            # The common case, one tensor in: no pytree walk, and unless it is a leaf
+            # (a view of which could not be modified in place), a view of it whose
+            # backward node runs post_backward: cheaper than an autograd Function.
+            x = args[0]
+            if not x.requires_grad:
                 return args, kwargs
             self._pending_post_backward += 1
-            return _PostBackward.apply(self, args[0]), kwargs
+            if x.grad_fn is None:
+                return _PostBackward.apply(self, x), kwargs
+            view = x.view_as(x)
+            view.grad_fn.register_hook(self._after_input_grad)
+            return (view,), kwargs
         flat, spec = tree_flatten((args, kwargs))
         where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not where:
@@ -332,6 +339,9 @@ class UnitState:
             return self.backward_prefetch
         order, i = self.ctx.post_forward_order, self._post_forward_index
         return order[i - 1 : i] if 0 < i < len(order) and order[i] is self else []
+
+    def _after_input_grad(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        self.post_backward()
 
     def post_backward(self) -> None:
         """Run once the unit's backward is done: every forward's identity function fired."""

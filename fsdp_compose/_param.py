@@ -303,7 +303,9 @@ class ShardedParam:
     def _accumulate_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient shard (flat, padded) to the sharded `.grad`."""
         local = padded_grad_shard[: self._local_shape.numel()].view(self._local_shape)
-        local = local.to(self.padded_shard.device, self.padded_shard.dtype)  # offload: to CPU
+        shard = self.padded_shard
+        if local.dtype != shard.dtype or local.device != shard.device:
+            local = local.to(shard.device, shard.dtype)  # reduce_dtype, or offload to CPU
         if self.sharded.grad is None:
             # The parameter's own spec, without from_local's autograd function: this runs
             # for every parameter after every backward.

@@ -326,3 +326,37 @@ def check_reshard_after_backward_false() -> None:
 
 def test_reshard_after_backward_false_keeps_unsharded(ranks):
     ranks.run(check_reshard_after_backward_false, world_size=2)
+
+
+class InPlaceOnInput(nn.Module):
+    """Layers that scale their input in place before using it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(InPlaceLinear() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 1.0  # not a leaf: in-place edits of it are allowed
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class InPlaceLinear(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(0.5)  # replaces the backward node of the input the unit was handed
+        return super().forward(x) * 2.0  # saves nothing the next layer's edit could spoil
+
+
+def check_in_place_edit_of_a_units_input() -> float:
+    # torch's fully_shard refuses this (its input function's output is modified in place),
+    # so ours runs in both seats and the reference is the single-process model.
+    return train_and_compare(InPlaceOnInput, mse_loss, feature_batch,
+                             shard_fns=(fully_shard, fully_shard)).vs_reference
+
+
+def test_a_unit_may_edit_its_input_in_place(ranks):
+    assert ranks.run(check_in_place_edit_of_a_units_input, world_size=2)[0] < 1e-6
