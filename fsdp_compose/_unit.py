@@ -13,6 +13,7 @@ from ._collectives import (
     CustomComm, GradReduction, all_gather, all_reduce, allocate, explain_failure,
     grad_reduction, reduce_scatter,
 )
+from ._buffer import ReusedBuffer
 from ._codec import AllGatherCodec
 from ._param import ShardedParam
 
@@ -83,6 +84,8 @@ class Unit:
         self._flat_pieces: list[torch.Tensor] = []
         if params and not any(p.is_meta for p in params):
             self._flat_shard()
+        self._gather_buffer = ReusedBuffer()  # unless a custom all-gather allocates
+        self._reduce_buffer = ReusedBuffer()  # the reduce-scatter's input, likewise
         self._pending_gather: _Gather | None = None
         self._pending_reduction: _Reduction | None = None
         self._post_forward_group: ProcessGroup | None = None
@@ -131,9 +134,11 @@ class Unit:
             group, sizes = self.group, self._gather_sizes
             # Mixed precision gathers the dtype that computes; CPU offload gathers on the device.
             shards = self._flat_shard().to(self.device, self.param_dtype, non_blocking=True)
-        gathered = allocate(  # row r: rank r's shards
-            self.custom_all_gather, (group.size() * shards.numel(),), shards.dtype, shards.device
-        )
+        numel = group.size() * shards.numel()  # row r: rank r's shards
+        if self.custom_all_gather is None:
+            gathered = self._gather_buffer.take(numel, shards.dtype, shards.device)
+        else:
+            gathered = allocate(self.custom_all_gather, (numel,), shards.dtype, shards.device)
         with explain_failure(self.label, "all-gather", group.size()):
             work = all_gather(gathered, shards, group, async_op, self.custom_all_gather)
         self._pending_gather = _Gather(
@@ -189,6 +194,7 @@ class Unit:
                 dim=1,
                 out=[p.allocate_unsharded(gather.from_post_forward) for p in self.params],
             )
+        self._gather_buffer.release()
         for p in self.params:
             p.to_unsharded()
         self.is_unsharded = True
@@ -255,6 +261,7 @@ class Unit:
             pending, self._pending_reduction = self._pending_reduction, None
             if pending.work is not None:
                 pending.work.wait()  # the backend may still write into its buffers
+            self._reduce_buffer.release()
         for p in self.params:
             p.discard()
         self._spent_partials, self._pending_partials = set(), {}
@@ -279,10 +286,12 @@ class Unit:
         if not with_grad:
             return False
         sizes = [p.layout.padded_shard_numel for p, _ in with_grad]
-        grads = allocate(  # row r: what rank r keeps, param after param, padded
-            self.custom_reduce_scatter, (self.shard_size, sum(sizes)), self.reduce_dtype,
-            with_grad[0][1].device,
-        )
+        shape, device = (self.shard_size, sum(sizes)), with_grad[0][1].device
+        if self.custom_reduce_scatter is None:  # row r: what rank r keeps, param after param
+            grads = self._reduce_buffer.take(shape[0] * shape[1], self.reduce_dtype, device)
+            grads = grads.view(shape)
+        else:
+            grads = allocate(self.custom_reduce_scatter, shape, self.reduce_dtype, device)
         # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
         # pads them to the shard layout and casts to reduce_dtype.
         torch._chunk_cat([g for _, g in with_grad], dim=0, num_chunks=self.shard_size, out=grads)
@@ -311,6 +320,7 @@ class Unit:
         if pending.work is not None:
             with explain_failure(self.label, "reduce-scatter", self.shard_size):
                 pending.work.wait()
+        self._reduce_buffer.release()
         reduced, reduction = pending.output, pending.reduction
         shards = list(zip(pending.params, reduced.split(pending.sizes)))
         if self.replicate_group is not None:
