@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._collectives import all_gather_object, explain_failure
+from ._collectives import all_gather_object, collective_failed
 
 if TYPE_CHECKING:
     from ._hooks import UnitState
@@ -23,8 +23,11 @@ def check_ranks_agree(states: list[UnitState], mesh: DeviceMesh, problem: str | 
         group = mesh.get_group(dim)
         if group.size() == 1:
             continue
-        with explain_failure(states[0].label, "model check of the first forward", group.size()):
+        try:
             gathered = all_gather_object(local, group)
+        except RuntimeError as error:
+            check = "model check of the first forward"
+            raise collective_failed(states[0].label, check, group.size(), error) from error
         for _, rank_problem in gathered:
             if rank_problem is not None:
                 raise RuntimeError(rank_problem)

@@ -148,24 +148,13 @@ def barrier() -> None:
         dist.barrier()
 
 
-class explain_failure:
-    """Context manager: say which unit and collective a failed (e.g. timed-out) collective
-    belonged to. A class, not a generator: it wraps every collective of the hot path."""
-
-    __slots__ = ("unit", "collective", "ranks")
-
-    def __init__(self, unit: str, collective: str, ranks: int) -> None:
-        self.unit, self.collective, self.ranks = unit, collective, ranks
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, error: BaseException | None, traceback: object) -> None:
-        if isinstance(error, RuntimeError):
-            raise RuntimeError(
-                f"fsdp_compose: the {self.collective} of unit {self.unit} over {self.ranks} "
-                f"ranks failed on rank {dist.get_rank()}: {error}\nAnother rank probably raised "
-                "or stopped before this collective: look for its error. How long a rank waits "
-                "is the process group's timeout: init_process_group(..., "
-                "timeout=datetime.timedelta(minutes=...))."
-            ) from error
+def collective_failed(unit: str, collective: str, ranks: int, error: RuntimeError) -> RuntimeError:
+    """The error to raise from `error`, raised by a collective (e.g. timed out): which unit
+    and collective it was, and where to look. Raised from an `except` around the call,
+    which costs nothing while nothing fails."""
+    return RuntimeError(
+        f"fsdp_compose: the {collective} of unit {unit} over {ranks} ranks failed on rank "
+        f"{dist.get_rank()}: {error}\nAnother rank probably raised or stopped before this "
+        "collective: look for its error. How long a rank waits is the process group's "
+        "timeout: init_process_group(..., timeout=datetime.timedelta(minutes=...))."
+    )

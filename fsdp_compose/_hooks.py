@@ -35,14 +35,18 @@ class Phase(enum.Enum):
     POST_BACKWARD = enum.auto()
 
 
-_NEXT = {
-    Phase.IDLE: {Phase.FORWARD, Phase.PRE_BACKWARD},
-    Phase.FORWARD: {Phase.IDLE, Phase.FORWARD},  # FORWARD again: another module of a list unit
-    Phase.PRE_BACKWARD: {Phase.PRE_BACKWARD, Phase.POST_BACKWARD},
+# The phases each phase may go to. Tuples: their membership test compares identities,
+# while a set or dict would hash the enum member with a Python-level __hash__.
+_NEXT = (
+    (Phase.IDLE, (Phase.FORWARD, Phase.PRE_BACKWARD)),
+    (Phase.FORWARD, (Phase.IDLE, Phase.FORWARD)),  # FORWARD again: another module of a list unit
+    (Phase.PRE_BACKWARD, (Phase.PRE_BACKWARD, Phase.POST_BACKWARD)),
     # A part of the graph whose inputs did not require grad reaches the unit again after
     # its reduction; it is unsharded and reduced once more (grads accumulate correctly).
-    Phase.POST_BACKWARD: {Phase.PRE_BACKWARD},
-}
+    (Phase.POST_BACKWARD, (Phase.PRE_BACKWARD,)),
+)
+for _phase, _next in _NEXT:
+    _phase.next = _next  # type: ignore[attr-defined]
 
 
 def state_of(module: nn.Module) -> UnitState | None:
@@ -118,7 +122,7 @@ class UnitState:
         return self.ctx is not None and self.ctx.root is self
 
     def _enter(self, phase: Phase) -> None:
-        assert phase in _NEXT[self.phase], (
+        assert phase in self.phase.next, (
             f"fsdp_compose unit {self.label} on rank {self.unit.mesh.get_rank()}: "
             f"{self.phase.name} -> {phase.name}"
         )

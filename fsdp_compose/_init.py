@@ -77,6 +77,9 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
 
     with torch.no_grad():
         visit(module, state_of(module).unit.device)
+    for m in module.modules():
+        if (state := state_of(m)) is not None:
+            state.unit.shards_replaced()
 
 
 def _materialize_own(

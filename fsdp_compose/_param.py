@@ -158,16 +158,17 @@ class ShardedParam:
         local = self._tp.slice(whole.detach()) if self._tp is not None else whole.detach()
         return self._as_dtensor(local[self._rows.start : self._rows.stop])
 
-    def adopt_registered(self) -> None:
+    def adopt_registered(self) -> bool:
         """Make what the module holds our shard again, if it changed behind our back:
         `module.to_empty()` / `.to()` swap the sharded parameter's data, `load_state_dict(
-        assign=True)` or an assignment replace the parameter (a whole tensor is sharded)."""
+        assign=True)` or an assignment replace the parameter (a whole tensor is sharded).
+        Returns whether the shard was stored anew."""
         module, attr = self.owners[0]
         registered = module._parameters.get(attr)
         if registered is self.unsharded:
-            return
+            return False
         if registered is self.sharded and _local_of(registered) is self._local:
-            return
+            return False
         if isinstance(registered, DTensor):
             if (registered.device_mesh, tuple(registered.placements), registered.shape) != (
                 self._spec[0], tuple(self._spec[1]), self.shape
@@ -191,6 +192,7 @@ class ShardedParam:
             )
         for module, attr in self.owners:
             module._parameters[attr] = self.sharded
+        return True
 
     def allocate_unsharded(self, from_post_forward: bool) -> torch.Tensor:
         """Give the unsharded data its storage; return where the all-gather result lands:

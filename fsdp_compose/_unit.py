@@ -10,7 +10,7 @@ from torch.distributed import ProcessGroup, Work
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._collectives import (
-    CustomComm, GradReduction, all_gather, all_reduce, allocate, explain_failure,
+    CustomComm, GradReduction, all_gather, all_reduce, allocate, collective_failed,
     grad_reduction, reduce_scatter,
 )
 from ._buffer import ReusedBuffer
@@ -81,7 +81,7 @@ class Unit:
         # Every parameter's padded shard, back to back: what the all-gather sends, without
         # a copy-in (or with one cast, under mixed precision). See _flat_shard.
         self._flat: torch.Tensor | None = None
-        self._flat_pieces: list[torch.Tensor] = []
+        self._flat_needs_cast = False  # to param_dtype, or to the device (CPU offload)
         if params and not any(p.is_meta for p in params):
             self._flat_shard()
         self._gather_buffer = ReusedBuffer()  # unless a custom all-gather allocates
@@ -102,7 +102,8 @@ class Unit:
     def adopt_registered(self) -> None:
         """Take back parameters changed behind our back; see ShardedParam.adopt_registered."""
         for p in self.params:
-            p.adopt_registered()
+            if p.adopt_registered():
+                self.shards_replaced()
 
     def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
         """Reshard after forward to dim 1 of `mesh` (a smaller group), or fully if None."""
@@ -119,6 +120,7 @@ class Unit:
         """Start gathering the parameters; with `async_op`, finish in `wait_for_unshard`."""
         if self.is_unsharded or self._pending_gather is not None or not self.params:
             return
+        group, sizes = self.group, self._gather_sizes
         if self._post_forward_kept:
             self._post_forward_kept = False
             group, sizes = self._post_forward_group, [p.post_forward_numel for p in self.params]
@@ -127,50 +129,59 @@ class Unit:
                 p.post_forward_shard = None
         elif self.codecs:
             self.adopt_registered()
-            group = self.group
             shards, sizes = self._encode()
         else:
             self.adopt_registered()
-            group, sizes = self.group, self._gather_sizes
-            # Mixed precision gathers the dtype that computes; CPU offload gathers on the device.
-            shards = self._flat_shard().to(self.device, self.param_dtype, non_blocking=True)
-        numel = group.size() * shards.numel()  # row r: rank r's shards
-        if self.custom_all_gather is None:
-            gathered = self._gather_buffer.take(numel, shards.dtype, shards.device)
+            shards = self._flat_shard()
+            if self._flat_needs_cast:
+                # Mixed precision gathers the dtype that computes; CPU offload gathers on
+                # the device.
+                shards = shards.to(self.device, self.param_dtype, non_blocking=True)
+        rows = self.shard_size if group is self.group else group.size()
+        if self.custom_all_gather is None:  # row r: rank r's shards
+            gathered = self._gather_buffer.take(rows * shards.numel(), shards.dtype, shards.device)
         else:
-            gathered = allocate(self.custom_all_gather, (numel,), shards.dtype, shards.device)
-        with explain_failure(self.label, "all-gather", group.size()):
+            gathered = allocate(
+                self.custom_all_gather, (rows * shards.numel(),), shards.dtype, shards.device
+            )
+        try:
             work = all_gather(gathered, shards, group, async_op, self.custom_all_gather)
+        except RuntimeError as error:
+            raise collective_failed(self.label, "all-gather", rows, error) from error
         self._pending_gather = _Gather(
-            gathered, work, group.size(), sizes, group is not self.group,
+            gathered, work, rows, sizes, group is not self.group,
             shards.dtype == torch.uint8 and bool(self.codecs),
         )
         if not async_op:
             self.wait_for_unshard()
 
     def _flat_shard(self) -> torch.Tensor:
-        """The padded shards as one flat tensor. The parameters keep their shards in it,
-        unless something replaced a shard since (initialisation from meta, a changed
-        parameter): then it is built again and they move in."""
-        params = self.params
-        if self._flat is not None and all(
-            p.padded_shard is piece for p, piece in zip(params, self._flat_pieces)
-        ):
+        """The padded shards as one flat tensor, in which the parameters keep their shards;
+        built again after a shard was replaced (see `adopt_registered`)."""
+        if self._flat is not None:
             return self._flat
+        params = self.params
         first = params[0].padded_shard
         if any(p.padded_shard.dtype != first.dtype or p.padded_shard.device != first.device
                for p in params):  # mixed dtypes (with a param_dtype): copied in each time
+            self._flat_needs_cast = False
             return torch.cat([p.padded_shard.to(self.device, self.param_dtype) for p in params])
         # Parameters outlive an inference_mode forward that may get here first.
         with torch.inference_mode(False), torch.no_grad():
-            self._flat = torch.empty(
+            flat = torch.empty(
                 sum(self._gather_sizes), dtype=first.dtype, device=first.device,
                 pin_memory=first.is_pinned(),
             )
-            self._flat_pieces = list(self._flat.split(self._gather_sizes))
-            for p, piece in zip(params, self._flat_pieces):
+            for p, piece in zip(params, flat.split(self._gather_sizes)):
                 p.move_shard_into(piece)
-        return self._flat
+        self._flat = flat
+        self._flat_needs_cast = flat.dtype != self.param_dtype or flat.device != self.device
+        return flat
+
+    def shards_replaced(self) -> None:
+        """Some parameter stored a new shard (materialized, or adopted from its module):
+        the next gather lays the flat shard out again."""
+        self._flat = None
 
     @property
     def gather_in_flight(self) -> bool:
@@ -183,8 +194,10 @@ class Unit:
         gather = self._pending_gather
         self._pending_gather = None
         if gather.work is not None:
-            with explain_failure(self.label, "all-gather", gather.rows):
+            try:
                 gather.work.wait()
+            except RuntimeError as error:
+                raise collective_failed(self.label, "all-gather", gather.rows, error) from error
         if gather.encoded:
             self._decode(gather)
         else:
@@ -301,11 +314,13 @@ class Unit:
             self.shard_size, replicas, self.reduce_dtype, self.gradient_divide_factor,
             self.force_sum_reduction,
         )
-        with explain_failure(self.label, "reduce-scatter", self.shard_size):
+        try:
             work = reduce_scatter(
                 reduced, grads.view(-1), self.reduce_scatter_group, reduction,
                 self.custom_reduce_scatter,
             )
+        except RuntimeError as error:
+            raise collective_failed(self.label, "reduce-scatter", self.shard_size, error) from error
         params = [p for p, _ in with_grad]
         self._pending_reduction = _Reduction(work, grads, reduced, params, sizes, reduction)
         return True
@@ -318,8 +333,12 @@ class Unit:
             return
         self._pending_reduction = None
         if pending.work is not None:
-            with explain_failure(self.label, "reduce-scatter", self.shard_size):
+            try:
                 pending.work.wait()
+            except RuntimeError as error:
+                raise collective_failed(
+                    self.label, "reduce-scatter", self.shard_size, error
+                ) from error
         self._reduce_buffer.release()
         reduced, reduction = pending.output, pending.reduction
         shards = list(zip(pending.params, reduced.split(pending.sizes)))
@@ -330,9 +349,11 @@ class Unit:
             if not self.requires_all_reduce:
                 self._pending_partials.update(shards)
                 return
-            replicas = self.replicate_group.size()
-            with explain_failure(self.label, "all-reduce", replicas):
+            try:
                 all_reduce(reduced, reduction.all_reduce_op, self.replicate_group)
+            except RuntimeError as error:
+                replicas = self.replicate_group.size()
+                raise collective_failed(self.label, "all-reduce", replicas, error) from error
             self._spent_partials.update(p for p, _ in shards)
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(reduced)
