@@ -113,20 +113,27 @@ class ShardedParam:
         self._local = _local_of(self.sharded)
 
     def _allocate_unsharded_buffer(self, device: torch.device) -> None:
-        shard_size = self.layout.shard_size
-        self._unsharded_buffer = torch.empty(
-            shard_size * self.layout.padded_shard_numel, dtype=self.param_dtype, device=device
+        buffer = torch.empty(
+            self.layout.shard_size * self.layout.padded_shard_numel, dtype=self.param_dtype,
+            device=device,
         )
+        self.use_unsharded_buffer(buffer)
+        buffer.untyped_storage().resize_(0)  # allocated while unsharded; see Unit._lay_out
+
+    def use_unsharded_buffer(self, buffer: torch.Tensor) -> None:
+        """Keep the unsharded data in `buffer` (flat, shard_size * padded_shard_numel, in
+        param_dtype, allocated while views of it are taken; maybe part of a storage the
+        unit shares between its parameters)."""
+        self._unsharded_buffer = buffer
         # Note [version counter]: the all-gather writes through `.data`, an alias with its
         # own version counter. Writing through the buffer itself would bump the counter
         # that autograd checks on the unsharded parameter saved for backward, and the
         # re-gather before backward would then look like an illegal in-place edit.
-        self._gather_target = self._unsharded_buffer.data.view(shard_size, -1)
-        unsharded = self._unsharded_buffer[: self.layout.numel].view(self.layout.shape)
+        self._gather_target = buffer.data.view(self.layout.shard_size, -1)
+        unsharded = buffer[: self.layout.numel].view(self.layout.shape)
         if self._tp is not None:
             unsharded = self._tp.as_dtensor(unsharded)
         self.unsharded = nn.Parameter(unsharded, requires_grad=self.sharded.requires_grad)
-        self._free_unsharded()
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
         mesh, placements, shape, stride = self._spec
@@ -194,10 +201,21 @@ class ShardedParam:
             module._parameters[attr] = self.sharded
         return True
 
-    def allocate_unsharded(self, from_post_forward: bool) -> torch.Tensor:
-        """Give the unsharded data its storage; return where the all-gather result lands:
-        (shard_size, padded_shard_numel), or the same for the post-forward layout."""
-        self._unsharded_buffer.untyped_storage().resize_(self._unsharded_buffer.nbytes)
+    @property
+    def unsharded_storage(self) -> torch.UntypedStorage:
+        """The storage of the unsharded data: allocated while unsharded, else empty. Freed
+        by resizing it to 0 rather than dropping it: autograd may have saved the unsharded
+        parameter, and what it saved must see the data again after the next all-gather
+        refills the same storage."""
+        return self._unsharded_buffer.untyped_storage()
+
+    @property
+    def unsharded_nbytes(self) -> int:
+        return self._unsharded_buffer.nbytes
+
+    def gather_target(self, from_post_forward: bool) -> torch.Tensor:
+        """Where the all-gather result lands: (shard_size, padded_shard_numel), or the same
+        for the post-forward layout."""
         if not from_post_forward:
             return self._gather_target
         # The post-forward group divides the shard size, so its padded layout is no longer
@@ -228,12 +246,6 @@ class ShardedParam:
         )
         self.post_forward_shard = shard
 
-    def _free_unsharded(self) -> None:
-        # Free by resizing the storage to 0 rather than dropping the tensor: autograd may
-        # have saved the unsharded parameter, and what it saved must see the data again
-        # after the next all-gather refills the same storage.
-        self._unsharded_buffer.untyped_storage().resize_(0)
-
     def to_unsharded(self) -> None:
         """Register the unsharded parameter (its data must already be gathered)."""
         if self.unsharded.requires_grad != self.sharded.requires_grad:
@@ -242,10 +254,9 @@ class ShardedParam:
             module._parameters[name] = self.unsharded
 
     def to_sharded(self) -> None:
-        """Register the sharded parameter and free the unsharded data."""
+        """Register the sharded parameter (the unit frees the unsharded storage)."""
         for module, name in self.owners:
             module._parameters[name] = self.sharded
-        self._free_unsharded()
 
     # Note [gradients per backward]: a backward's gradients count only once it has finished.
     # Until then autograd writes this backward's unsharded gradient into `unsharded.grad`,

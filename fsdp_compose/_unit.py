@@ -78,12 +78,14 @@ class Unit:
         self._pending_partials: dict[ShardedParam, torch.Tensor] = {}
         self._spent_partials: set[ShardedParam] = set()
         self._gather_sizes = [p.layout.padded_shard_numel for p in params]
-        # Every parameter's padded shard, back to back: what the all-gather sends, without
-        # a copy-in (or with one cast, under mixed precision). See _flat_shard.
+        # See _lay_out.
+        self._laid_out = False
         self._flat: torch.Tensor | None = None
         self._flat_needs_cast = False  # to param_dtype, or to the device (CPU offload)
+        self._unsharded_storages: list[tuple[torch.UntypedStorage, int]] = []
+        self._gather_targets: list[torch.Tensor] = []
         if params and not any(p.is_meta for p in params):
-            self._flat_shard()
+            self._lay_out()
         self._gather_buffer = ReusedBuffer()  # unless a custom all-gather allocates
         self._reduce_buffer = ReusedBuffer()  # the reduce-scatter's input, likewise
         self._pending_gather: _Gather | None = None
@@ -120,23 +122,21 @@ class Unit:
         """Start gathering the parameters; with `async_op`, finish in `wait_for_unshard`."""
         if self.is_unsharded or self._pending_gather is not None or not self.params:
             return
-        group, sizes = self.group, self._gather_sizes
-        if self._post_forward_kept:
+        if self._post_forward_kept:  # gather inside the smaller group, from kept pieces
             self._post_forward_kept = False
             group, sizes = self._post_forward_group, [p.post_forward_numel for p in self.params]
             shards = torch.cat([p.post_forward_shard for p in self.params])
             for p in self.params:
                 p.post_forward_shard = None
-        elif self.codecs:
-            self.adopt_registered()
-            shards, sizes = self._encode()
         else:
             self.adopt_registered()
-            shards = self._flat_shard()
-            if self._flat_needs_cast:
-                # Mixed precision gathers the dtype that computes; CPU offload gathers on
-                # the device.
-                shards = shards.to(self.device, self.param_dtype, non_blocking=True)
+            if not self._laid_out:
+                self._lay_out()
+            group, sizes = self.group, self._gather_sizes
+            if self.codecs:
+                shards, sizes = self._encode()
+            else:
+                shards = self._flat_shard()
         rows = self.shard_size if group is self.group else group.size()
         if self.custom_all_gather is None:  # row r: rank r's shards
             gathered = self._gather_buffer.take(rows * shards.numel(), shards.dtype, shards.device)
@@ -155,33 +155,55 @@ class Unit:
         if not async_op:
             self.wait_for_unshard()
 
-    def _flat_shard(self) -> torch.Tensor:
-        """The padded shards as one flat tensor, in which the parameters keep their shards;
-        built again after a shard was replaced (see `adopt_registered`)."""
-        if self._flat is not None:
-            return self._flat
+    def _lay_out(self) -> None:
+        """Put the padded shards into one flat tensor, which the all-gather sends without
+        a copy-in (or with one cast, under mixed precision), and the unsharded data into
+        one storage, allocated and freed at once. Parameters of different dtypes keep
+        their own (their shards are copied in at each gather)."""
         params = self.params
         first = params[0].padded_shard
-        if any(p.padded_shard.dtype != first.dtype or p.padded_shard.device != first.device
-               for p in params):  # mixed dtypes (with a param_dtype): copied in each time
-            self._flat_needs_cast = False
-            return torch.cat([p.padded_shard.to(self.device, self.param_dtype) for p in params])
-        # Parameters outlive an inference_mode forward that may get here first.
-        with torch.inference_mode(False), torch.no_grad():
-            flat = torch.empty(
-                sum(self._gather_sizes), dtype=first.dtype, device=first.device,
-                pin_memory=first.is_pinned(),
-            )
-            for p, piece in zip(params, flat.split(self._gather_sizes)):
-                p.move_shard_into(piece)
-        self._flat = flat
-        self._flat_needs_cast = flat.dtype != self.param_dtype or flat.device != self.device
+        self._flat, self._flat_needs_cast = None, False
+        if all(p.padded_shard.dtype == first.dtype and p.padded_shard.device == first.device
+               for p in params):
+            # Parameters outlive an inference_mode forward that may get here first.
+            with torch.inference_mode(False), torch.no_grad():
+                flat = torch.empty(
+                    sum(self._gather_sizes), dtype=first.dtype, device=first.device,
+                    pin_memory=first.is_pinned(),
+                )
+                for p, piece in zip(params, flat.split(self._gather_sizes)):
+                    p.move_shard_into(piece)
+            self._flat = flat
+            self._flat_needs_cast = flat.dtype != self.param_dtype or flat.device != self.device
+        if all(p.param_dtype == self.param_dtype for p in params):
+            with torch.inference_mode(False):
+                rows = self.shard_size
+                unsharded = torch.empty(
+                    rows * sum(self._gather_sizes), dtype=self.param_dtype, device=self.device
+                )
+                for p, piece in zip(params, unsharded.split([rows * n for n in self._gather_sizes])):
+                    p.use_unsharded_buffer(piece)
+                unsharded.untyped_storage().resize_(0)
+            self._unsharded_storages = [(unsharded.untyped_storage(), unsharded.nbytes)]
+        else:
+            self._unsharded_storages = [(p.unsharded_storage, p.unsharded_nbytes) for p in params]
+        self._gather_targets = [p.gather_target(from_post_forward=False) for p in params]
+        self._laid_out = True
+
+    def _flat_shard(self) -> torch.Tensor:
+        """Every parameter's padded shard, back to back, in param_dtype (mixed precision
+        gathers the dtype that computes) on the device (CPU offload gathers there)."""
+        flat = self._flat
+        if flat is None:
+            return torch.cat([p.padded_shard.to(self.device, self.param_dtype) for p in self.params])
+        if self._flat_needs_cast:
+            return flat.to(self.device, self.param_dtype, non_blocking=True)
         return flat
 
     def shards_replaced(self) -> None:
         """Some parameter stored a new shard (materialized, or adopted from its module):
-        the next gather lays the flat shard out again."""
-        self._flat = None
+        the next gather lays the unit out again."""
+        self._laid_out = False
 
     @property
     def gather_in_flight(self) -> bool:
@@ -198,6 +220,8 @@ class Unit:
                 gather.work.wait()
             except RuntimeError as error:
                 raise collective_failed(self.label, "all-gather", gather.rows, error) from error
+        for storage, nbytes in self._unsharded_storages:
+            storage.resize_(nbytes)
         if gather.encoded:
             self._decode(gather)
         else:
@@ -205,7 +229,8 @@ class Unit:
                 gather.gathered.view(gather.rows, -1),
                 gather.sizes,
                 dim=1,
-                out=[p.allocate_unsharded(gather.from_post_forward) for p in self.params],
+                out=[p.gather_target(from_post_forward=True) for p in self.params]
+                if gather.from_post_forward else self._gather_targets,
             )
         self._gather_buffer.release()
         for p in self.params:
@@ -230,8 +255,7 @@ class Unit:
 
     def _decode(self, gather: _Gather) -> None:
         rows = gather.gathered.view(gather.rows, -1).split(gather.sizes, dim=1)
-        for p, data in zip(self.params, rows):
-            out = p.allocate_unsharded(from_post_forward=False)
+        for out, p, data in zip(self._gather_targets, self.params, rows):
             codec = self.codecs.get(p)
             if codec is None:
                 out.copy_(data[:, : out.shape[1] * out.element_size()].view(out.dtype))
@@ -253,6 +277,8 @@ class Unit:
             if keep:
                 p.keep_post_forward_shard()
             p.to_sharded()
+        for storage, _ in self._unsharded_storages:
+            storage.resize_(0)
         self._post_forward_kept = keep
         self.is_unsharded = False
 
