@@ -90,9 +90,7 @@ def all_gather(
         return None
     # The process group's own method, which dist.all_gather_single calls after checks that
     # cost more than the rest of a unit's unshard (our tensors are flat and ours).
-    options = AllgatherOptions()
-    options.asyncOp = async_op
-    work = group.all_gather_single(_real(output), _real(shard), options)
+    work = group.all_gather_single(_real(output), _real(shard), _all_gather_options(async_op))
     if async_op:
         return work
     work.wait()
@@ -113,10 +111,25 @@ def reduce_scatter(
     if group.size() == 1:
         output.copy_(input)
         return None
-    options = dist.ReduceScatterOptions()  # as in all_gather: the group's method directly
-    options.reduceOp = reduction.op
-    options.asyncOp = True
+    # As in all_gather: the group's method directly.
+    options = _reduce_scatter_options(reduction.op)
     return group.reduce_scatter_single(_real(output), _real(input), options)
+
+
+# The options of our calls, built once: the process group only reads them.
+@functools.cache
+def _all_gather_options(async_op: bool) -> AllgatherOptions:
+    options = AllgatherOptions()
+    options.asyncOp = async_op
+    return options
+
+
+@functools.cache
+def _reduce_scatter_options(op: ReduceOp.RedOpType) -> dist.ReduceScatterOptions:
+    options = dist.ReduceScatterOptions()
+    options.reduceOp = op
+    options.asyncOp = True
+    return options
 
 
 def _real(tensor: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ class ShardedParam:
         whole = self._tp.local(param) if self._tp is not None else param.detach()
         self.layout: ShardLayout = shard_layout(whole.shape, shard_size)
         self._local_shape = self.layout.local_shape(rank)
+        self._local_stride = contiguous_stride(self._local_shape)
         self._rows = chunk_range(whole.shape[0], shard_size, rank)
         dp_placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(0),)
         if self._tp is None:
@@ -315,7 +316,8 @@ class ShardedParam:
 
     def _accumulate_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient shard (flat, padded) to the sharded `.grad`."""
-        local = padded_grad_shard[: self._local_shape.numel()].view(self._local_shape)
+        # The first numel elements, shaped: one view op (this runs for every parameter).
+        local = padded_grad_shard.as_strided(self._local_shape, self._local_stride)
         shard = self.padded_shard
         if local.dtype != shard.dtype or local.device != shard.device:
             local = local.to(shard.device, shard.dtype)  # reduce_dtype, or offload to CPU

@@ -367,7 +367,7 @@ class Unit:
                 ) from error
         self._reduce_buffer.release()
         reduced, reduction = pending.output, pending.reduction
-        shards = list(zip(pending.params, reduced.split(pending.sizes)))
+        shards = list(zip(pending.params, torch.split_with_sizes(reduced, pending.sizes)))
         if self.replicate_group is not None:
             for p, shard in shards:
                 if (partial := self._partial_grad(p)) is not None:
