@@ -90,6 +90,7 @@ class Unit:
         self._reduce_buffer = ReusedBuffer()  # the reduce-scatter's input, likewise
         self._pending_gather: _Gather | None = None
         self._pending_reduction: _Reduction | None = None
+        self._held: torch.Tensor | None = None  # this backward's reduced shards; see _hold
         self._post_forward_group: ProcessGroup | None = None
         self._post_forward_kept = False  # whether the params hold post-forward shards now
 
@@ -287,6 +288,9 @@ class Unit:
 
     def commit_backward(self) -> None:
         """The backward finished: its gradients count. See Note [gradients per backward]."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._commit_held(held)
         for p in self.params:
             p.commit()
         for p in self._spent_partials:
@@ -296,6 +300,7 @@ class Unit:
 
     def discard_backward(self) -> None:
         """The backward did not finish: forget its gradients, keep the earlier ones."""
+        self._held = None
         if self._pending_reduction is not None:
             pending, self._pending_reduction = self._pending_reduction, None
             if pending.work is not None:
@@ -367,8 +372,8 @@ class Unit:
                 ) from error
         self._reduce_buffer.release()
         reduced, reduction = pending.output, pending.reduction
-        shards = list(zip(pending.params, torch.split_with_sizes(reduced, pending.sizes)))
         if self.replicate_group is not None:
+            shards = list(zip(pending.params, torch.split_with_sizes(reduced, pending.sizes)))
             for p, shard in shards:
                 if (partial := self._partial_grad(p)) is not None:
                     shard.add_(partial)
@@ -385,8 +390,39 @@ class Unit:
             self.all_reduce_hook(reduced)
         if reduction.post_divide is not None:
             reduced.div_(reduction.post_divide)
-        for p, shard in shards:
+        self._hold(pending.params, pending.sizes, reduced)
+
+    def _hold(self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor) -> None:
+        """Keep reduced gradient shards (padded, back to back) until the backward finishes:
+        whole when they are every parameter's and the first (see _commit_held), else each
+        parameter its own."""
+        if self._held is None and len(params) == len(self.params):
+            self._held = reduced
+            return
+        if self._held is not None:
+            self._hold_per_param(self._held)
+            self._held = None
+        for p, shard in zip(params, torch.split_with_sizes(reduced, sizes)):
             p.hold_reduced(shard)
+
+    def _hold_per_param(self, held: torch.Tensor) -> None:
+        for p, shard in zip(self.params, torch.split_with_sizes(held, self._gather_sizes)):
+            p.hold_reduced(shard)
+
+    def _commit_held(self, held: torch.Tensor) -> None:
+        """Add every parameter's reduced shard in `held` to its `.grad`: with one add when
+        the gradients are still the views of an earlier `held` that a commit made them
+        (see ShardedParam._accumulate_grad), as in gradient accumulation."""
+        grads = [p.sharded.grad for p in self.params]
+        first = grads[0]
+        base = None if first is None else first._local_tensor._base
+        if (
+            base is not None and base.dtype == held.dtype and base.shape == held.shape
+            and all(g is not None and g._local_tensor._base is base for g in grads)
+        ):
+            base.add_(held)
+        else:
+            self._hold_per_param(held)
 
     def _zeros(self, p: ShardedParam) -> torch.Tensor:
         """A gradient for a parameter only an earlier HSDP reduction saw."""

@@ -225,6 +225,42 @@ def test_gradient_accumulation_with_sync(ranks):
     ranks.run(check_gradient_accumulation, world_size=2, sync_each_micro_batch=True)
 
 
+def check_backwards_add_into_changed_grads() -> None:
+    """Without zero_grad(set_to_none=True) between them, backwards add into the .grads as
+    they are: zeroed in place, one replaced by a copy, one dropped."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    models = three_models(MLP)
+
+    def zero_in_place(model: nn.Module) -> None:
+        model.zero_grad(set_to_none=False)
+
+    def replace_one(model: nn.Module) -> None:
+        weight = model.get_parameter("layers.0.weight")
+        weight.grad = weight.grad.clone()
+
+    def drop_one(model: nn.Module) -> None:
+        model.get_parameter("layers.2.bias").grad = None
+
+    for step, change in enumerate((None, zero_in_place, replace_one, drop_one)):
+        for model in models:
+            if change is not None:
+                change(model)
+        x = feature_batch(step, 2 * world)
+        ref, ours, theirs = models
+        mse_loss(ref, x).backward()
+        mse_loss(ours, x.chunk(world)[rank]).backward()
+        mse_loss(theirs, x.chunk(world)[rank]).backward()
+        ref_params, their_params = dict(ref.named_parameters()), dict(theirs.named_parameters())
+        for fqn, p in ours.named_parameters():
+            msg = f"{fqn} after {change and change.__name__}"
+            torch.testing.assert_close(p.grad.full_tensor(), ref_params[fqn].grad, msg=msg)
+            assert torch.equal(p.grad.full_tensor(), their_params[fqn].grad.full_tensor()), msg
+
+
+def test_backwards_add_into_changed_grads(ranks):
+    ranks.run(check_backwards_add_into_changed_grads, world_size=2)
+
+
 def check_ignored_params() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
