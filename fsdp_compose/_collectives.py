@@ -90,7 +90,9 @@ def all_gather(
         return None
     # The process group's own method, which dist.all_gather_single calls after checks that
     # cost more than the rest of a unit's unshard (our tensors are flat and ours).
-    work = group.all_gather_single(_real(output), _real(shard), _all_gather_options(async_op))
+    if output.is_complex():  # sent as real pairs, as torch.distributed sends them
+        output, shard = torch.view_as_real(output), torch.view_as_real(shard)
+    work = group.all_gather_single(output, shard, _all_gather_options(async_op))
     if async_op:
         return work
     work.wait()
@@ -112,8 +114,9 @@ def reduce_scatter(
         output.copy_(input)
         return None
     # As in all_gather: the group's method directly.
-    options = _reduce_scatter_options(reduction.op)
-    return group.reduce_scatter_single(_real(output), _real(input), options)
+    if output.is_complex():  # as in all_gather
+        output, input = torch.view_as_real(output), torch.view_as_real(input)
+    return group.reduce_scatter_single(output, input, _reduce_scatter_options(reduction.op))
 
 
 # The options of our calls, built once: the process group only reads them.
@@ -130,11 +133,6 @@ def _reduce_scatter_options(op: ReduceOp.RedOpType) -> dist.ReduceScatterOptions
     options.reduceOp = op
     options.asyncOp = True
     return options
-
-
-def _real(tensor: torch.Tensor) -> torch.Tensor:
-    """Complex tensors travel as their real pairs, as torch.distributed sends them."""
-    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType, group: ProcessGroup) -> None:

@@ -69,10 +69,7 @@ class FSDPModule:
         `wait()` finishes the unshard; the next forward waits for it too."""
         unit = self._state().unit
         unit.unshard(async_op=async_op)
-        if async_op:
-            return UnshardHandle(unit)
-        unit.wait_for_unshard()
-        return None
+        return UnshardHandle(unit) if async_op else None
 
     def reshard(self) -> None:
         """Free this unit's unsharded parameters and register the sharded ones."""

@@ -286,8 +286,7 @@ class UnitState:
             self.unit.reshard(keep_post_forward=True)
 
     def _unshard(self) -> None:
-        self.unit.unshard()
-        self.unit.wait_for_unshard()  # an async unshard() may have started it
+        self.unit.unshard()  # also finishes a prefetch's gather
 
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]

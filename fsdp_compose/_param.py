@@ -175,7 +175,7 @@ class ShardedParam:
         registered = module._parameters.get(attr)
         if registered is self.unsharded:
             return False
-        if registered is self.sharded and _local_of(registered) is self._local:
+        if registered is self.sharded and registered._local_tensor is self._local:
             return False
         if isinstance(registered, DTensor):
             if (registered.device_mesh, tuple(registered.placements), registered.shape) != (

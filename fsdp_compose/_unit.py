@@ -120,8 +120,13 @@ class Unit:
             p.set_post_forward_group(size, index)
 
     def unshard(self, async_op: bool = False) -> None:
-        """Start gathering the parameters; with `async_op`, finish in `wait_for_unshard`."""
-        if self.is_unsharded or self._pending_gather is not None or not self.params:
+        """Gather the parameters; with `async_op` only start, and finish in
+        `wait_for_unshard` (or in an unshard without it)."""
+        if self._pending_gather is not None:
+            if not async_op:
+                self.wait_for_unshard()
+            return
+        if self.is_unsharded or not self.params:
             return
         if self._post_forward_kept:  # gather inside the smaller group, from kept pieces
             self._post_forward_kept = False
@@ -329,7 +334,10 @@ class Unit:
         ]
         if not with_grad:
             return False
-        sizes = [p.layout.padded_shard_numel for p, _ in with_grad]
+        if len(with_grad) == len(self.params):
+            sizes = self._gather_sizes
+        else:
+            sizes = [p.layout.padded_shard_numel for p, _ in with_grad]
         shape, device = (self.shard_size, sum(sizes)), with_grad[0][1].device
         if self.custom_reduce_scatter is None:  # row r: what rank r keeps, param after param
             grads = self._reduce_buffer.take(shape[0] * shape[1], self.reduce_dtype, device)
