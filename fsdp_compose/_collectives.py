@@ -113,8 +113,8 @@ def reduce_scatter(
     if group.size() == 1:
         output.copy_(input)
         return None
-    # As in all_gather: the group's method directly.
-    if output.is_complex():  # as in all_gather
+    # As in all_gather: the group's own method, complex tensors as real pairs.
+    if output.is_complex():
         output, input = torch.view_as_real(output), torch.view_as_real(input)
     return group.reduce_scatter_single(output, input, _reduce_scatter_options(reduction.op))
 

@@ -9,11 +9,11 @@ import torch
 from torch.distributed import ProcessGroup, Work
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._buffer import ReusedBuffer
 from ._collectives import (
     CustomComm, GradReduction, all_gather, all_reduce, allocate, collective_failed,
     grad_reduction, reduce_scatter,
 )
-from ._buffer import ReusedBuffer
 from ._codec import AllGatherCodec
 from ._param import ShardedParam
 
@@ -187,7 +187,8 @@ class Unit:
                 unsharded = torch.empty(
                     rows * sum(self._gather_sizes), dtype=self.param_dtype, device=self.device
                 )
-                for p, piece in zip(params, unsharded.split([rows * n for n in self._gather_sizes])):
+                pieces = unsharded.split([rows * n for n in self._gather_sizes])
+                for p, piece in zip(params, pieces):
                     p.use_unsharded_buffer(piece)
                 unsharded.untyped_storage().resize_(0)
             self._unsharded_storages = [(unsharded.untyped_storage(), unsharded.nbytes)]
@@ -201,7 +202,8 @@ class Unit:
         gathers the dtype that computes) on the device (CPU offload gathers there)."""
         flat = self._flat
         if flat is None:
-            return torch.cat([p.padded_shard.to(self.device, self.param_dtype) for p in self.params])
+            params = self.params
+            return torch.cat([p.padded_shard.to(self.device, self.param_dtype) for p in params])
         if self._flat_needs_cast:
             return flat.to(self.device, self.param_dtype, non_blocking=True)
         return flat
