@@ -355,10 +355,12 @@ class UnitState:
         self._reduce_and_reshard()
 
     def _reduce_and_reshard(self) -> None:
-        if self.requires_gradient_sync:
-            self.comm.reduce(self.unit)  # without sync, the gradients wait in unsharded form
+        # Freeing the parameters first keeps them and the reduce-scatter's buffers from
+        # being allocated at once (the gradients live apart from the parameters' data).
         if self.reshard_after_backward:
             self.unit.reshard()
+        if self.requires_gradient_sync:
+            self.comm.reduce(self.unit)  # without sync, the gradients wait in unsharded form
 
     def _queue_final_callback(self) -> None:
         if not self.ctx.final_callback_queued:
