@@ -300,10 +300,11 @@ class Unit:
             self._commit_held(held)
         for p in self.params:
             p.commit()
-        for p in self._spent_partials:
-            self._partial_grads.pop(p, None)
-        self._partial_grads.update(self._pending_partials)
-        self._spent_partials, self._pending_partials = set(), {}
+        if self._spent_partials or self._pending_partials:  # HSDP without all-reduce
+            for p in self._spent_partials:
+                self._partial_grads.pop(p, None)
+            self._partial_grads.update(self._pending_partials)
+            self._spent_partials, self._pending_partials = set(), {}
 
     def discard_backward(self) -> None:
         """The backward did not finish: forget its gradients, keep the earlier ones."""
