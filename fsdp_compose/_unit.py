@@ -78,6 +78,8 @@ class Unit:
         self._pending_partials: dict[ShardedParam, torch.Tensor] = {}
         self._spent_partials: set[ShardedParam] = set()
         self._gather_sizes = [p.layout.padded_shard_numel for p in params]
+        # Where each parameter's shard starts in a reduction of all of them; see _commit_held.
+        self._held_offsets = [sum(self._gather_sizes[:i]) for i in range(len(params))]
         # See _lay_out.
         self._laid_out = False
         self._flat: torch.Tensor | None = None
@@ -429,7 +431,11 @@ class Unit:
         base = None if first is None else first._local_tensor._base
         if (
             base is not None and base.dtype == held.dtype and base.shape == held.shape
-            and all(g is not None and g._local_tensor._base is base for g in grads)
+            and all(
+                g is not None and (local := g._local_tensor)._base is base
+                and local.storage_offset() - base.storage_offset() == offset
+                for g, offset in zip(grads, self._held_offsets)
+            )
         ):
             base.add_(held)
         else:
