@@ -1,9 +1,10 @@
 """Forward and backward hooks, and the per-unit phase machine that orders them.
 
 A unit is unsharded in its forward pre-hook and resharded in its forward post-hook (unless
-it keeps its parameters for backward). Gradient hooks on the forward outputs unshard it again
-before its backward; an identity autograd function on the forward inputs runs once the
-unit's backward is done, which reduces its gradients. A callback queued on the autograd
+it keeps its parameters for backward). Pre-hooks on the forward outputs' backward nodes
+unshard it again before its backward; a hook on the backward node of each forward input
+(a view of it, or an identity autograd function) runs once the unit's backward is done,
+which reduces its gradients. A callback queued on the autograd
 engine ends every backward: it finishes what no hook finished and resets the iteration.
 """
 
@@ -187,7 +188,7 @@ class UnitState:
         if _in_backward():
             # Activation checkpointing re-runs forward inside backward: only make sure the
             # parameters are there; the pre-backward hook owns this unit's schedule.
-            self._unshard()
+            self.unit.unshard()
             return self._cast_inputs(args, kwargs)
         if self.ctx.final_callback_queued:
             # The last backward raised before it finished: forget it, keep what earlier
@@ -207,7 +208,7 @@ class UnitState:
             self._forward_index = len(ctx.forward_order)
             ctx.forward_order.append(self)
         self._enter(Phase.FORWARD)
-        self._unshard()
+        self.unit.unshard()  # also finishes a prefetch's gather
         for other in self._forward_prefetch_targets():
             self.comm.prefetch(other.unit)  # overlaps this unit's compute; waited for there
             ctx.forward_prefetched.append(other)
@@ -252,9 +253,9 @@ class UnitState:
 
     def _reshard_unused_prefetches(self) -> None:
         """Units prefetched in this forward that then did not run (the order changed)."""
-        ran = set(map(id, self.ctx.forward_order))
+        ran = set(self.ctx.forward_order)
         for state in self.ctx.forward_prefetched:
-            if id(state) not in ran:
+            if state not in ran:
                 state.unit.reshard()
         self.ctx.forward_prefetched.clear()
 
@@ -284,9 +285,6 @@ class UnitState:
             self.unit.reshard()  # no backward can follow a forward without grad
         elif self.reshard_after_forward:
             self.unit.reshard(keep_post_forward=True)
-
-    def _unshard(self) -> None:
-        self.unit.unshard()  # also finishes a prefetch's gather
 
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -331,7 +329,7 @@ class UnitState:
             self._enter(Phase.PRE_BACKWARD)
             self._queue_final_callback()
         if self.unshard_in_backward:
-            self._unshard()
+            self.unit.unshard()  # also finishes a prefetch's gather
         for other in self._backward_prefetch_targets():
             # Not one whose backward is done already (gathered again for nothing).
             if other.unshard_in_backward and other.phase is not Phase.POST_BACKWARD:
@@ -347,7 +345,7 @@ class UnitState:
         self.post_backward()
 
     def post_backward(self) -> None:
-        """Run once the unit's backward is done: every forward's identity function fired."""
+        """Run once the unit's backward is done: every forward's input node has run."""
         self._pending_post_backward = max(self._pending_post_backward - 1, 0)
         if self._pending_post_backward or self.phase is not Phase.PRE_BACKWARD:
             return

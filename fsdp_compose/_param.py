@@ -119,7 +119,7 @@ class ShardedParam:
             device=device,
         )
         self.use_unsharded_buffer(buffer)
-        buffer.untyped_storage().resize_(0)  # allocated while unsharded; see Unit._lay_out
+        buffer.untyped_storage().resize_(0)  # allocated while unsharded (Unit._lay_out)
 
     def use_unsharded_buffer(self, buffer: torch.Tensor) -> None:
         """Keep the unsharded data in `buffer` (flat, shard_size * padded_shard_numel, in
@@ -175,7 +175,7 @@ class ShardedParam:
         registered = module._parameters.get(attr)
         if registered is self.unsharded:
             return False
-        if registered is self.sharded and registered._local_tensor is self._local:
+        if registered is self.sharded and _local_of(registered) is self._local:
             return False
         if isinstance(registered, DTensor):
             if (registered.device_mesh, tuple(registered.placements), registered.shape) != (
@@ -203,16 +203,9 @@ class ShardedParam:
         return True
 
     @property
-    def unsharded_storage(self) -> torch.UntypedStorage:
-        """The storage of the unsharded data: allocated while unsharded, else empty. Freed
-        by resizing it to 0 rather than dropping it: autograd may have saved the unsharded
-        parameter, and what it saved must see the data again after the next all-gather
-        refills the same storage."""
-        return self._unsharded_buffer.untyped_storage()
-
-    @property
-    def unsharded_nbytes(self) -> int:
-        return self._unsharded_buffer.nbytes
+    def unsharded_buffer(self) -> torch.Tensor:
+        """The unsharded data, flat and padded; its storage is the unit's to allocate."""
+        return self._unsharded_buffer
 
     def gather_target(self, from_post_forward: bool) -> torch.Tensor:
         """Where the all-gather result lands: (shard_size, padded_shard_numel), or the same

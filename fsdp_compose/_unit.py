@@ -192,10 +192,14 @@ class Unit:
                 pieces = unsharded.split([rows * n for n in self._gather_sizes])
                 for p, piece in zip(params, pieces):
                     p.use_unsharded_buffer(piece)
-                unsharded.untyped_storage().resize_(0)
-            self._unsharded_storages = [(unsharded.untyped_storage(), unsharded.nbytes)]
+            buffers = [unsharded]
         else:
-            self._unsharded_storages = [(p.unsharded_storage, p.unsharded_nbytes) for p in params]
+            buffers = [p.unsharded_buffer for p in params]
+        # Freed by resizing to 0 rather than dropped: autograd may have saved the unsharded
+        # parameters, and what it saved must see the data of the next all-gather.
+        self._unsharded_storages = [(b.untyped_storage(), b.nbytes) for b in buffers]
+        for storage, _ in self._unsharded_storages:
+            storage.resize_(0)
         self._gather_targets = [p.gather_target(from_post_forward=False) for p in params]
         self._laid_out = True
 
@@ -413,13 +417,13 @@ class Unit:
             self._held = reduced
             return
         if self._held is not None:
-            self._hold_per_param(self._held)
+            self._hold_each(self.params, self._gather_sizes, self._held)
             self._held = None
-        for p, shard in zip(params, torch.split_with_sizes(reduced, sizes)):
-            p.hold_reduced(shard)
+        self._hold_each(params, sizes, reduced)
 
-    def _hold_per_param(self, held: torch.Tensor) -> None:
-        for p, shard in zip(self.params, torch.split_with_sizes(held, self._gather_sizes)):
+    @staticmethod
+    def _hold_each(params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor) -> None:
+        for p, shard in zip(params, torch.split_with_sizes(reduced, sizes)):
             p.hold_reduced(shard)
 
     def _commit_held(self, held: torch.Tensor) -> None:
@@ -439,7 +443,7 @@ class Unit:
         ):
             base.add_(held)
         else:
-            self._hold_per_param(held)
+            self._hold_each(self.params, self._gather_sizes, held)
 
     def _zeros(self, p: ShardedParam) -> torch.Tensor:
         """A gradient for a parameter only an earlier HSDP reduction saw."""
