@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_gpt import GPT, counting_batch  # noqa: E402
+from train_gpt import GPT, counting_batch, init_distributed  # noqa: E402
 
 from fsdp_compose import fully_shard  # noqa: E402
 
@@ -257,14 +256,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, help="GPU peak, for MFU")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    result = run(args, device)
+    result = run(args, init_distributed())
     if dist.get_rank() == 0:
         report(result, args.out)
     gc.collect()  # meshes go before the process group (see examples/train_gpt.py)

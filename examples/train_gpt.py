@@ -96,6 +96,17 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         export_safetensors(model, args.export)  # the whole weights, from rank 0
 
 
+def init_distributed() -> torch.device:
+    """Join the process group torchrun describes: NCCL on this rank's GPU, else gloo on CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -110,15 +121,7 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=5, help="steps between checkpoints")
     parser.add_argument("--export", help="write the trained weights to this .safetensors file")
     args = parser.parse_args()
-
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    train(args, device)
+    train(args, init_distributed())
     # Collect the model, and the DeviceMesh it holds, while the process group is still up:
     # a mesh that lives on into interpreter shutdown can make gloo abort the process.
     gc.collect()
