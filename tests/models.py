@@ -68,6 +68,14 @@ class Transformer(nn.Module):
         return self.head(self.norm(x))
 
 
+# A stack of Linear(33, 33): 33 rows pad the shards at every world size the tests use.
+LINEAR_DIM, LINEAR_LAYERS = 33, 6
+
+
+def linear_stack() -> nn.Sequential:
+    return nn.Sequential(*(nn.Linear(LINEAR_DIM, LINEAR_DIM) for _ in range(LINEAR_LAYERS)))
+
+
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy on `tokens` (batch, seq + 1)."""
     logits = model(tokens[:, :-1])

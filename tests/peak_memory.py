@@ -1,6 +1,7 @@
 """Peak tracked memory per rank of fsdp_compose and torch's fully_shard, training the same
 model on the fake process group (its collectives are synchronous, so peaks are exact).
-Prints one JSON line: {world size: [ours, torch's]}. Run by tests/test_peak_memory.py."""
+Prints one JSON line: {world size: [ours, torch's]}. Run by tests/test_peak_memory.py as
+`python -m tests.peak_memory zero_grad|accumulate` from the repository root."""
 
 from __future__ import annotations
 
@@ -9,26 +10,26 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compose import fully_shard
+from tests.models import LINEAR_DIM, linear_stack
 
-DIM, LAYERS, BATCH = 33, 6, 4  # 33 rows: shards are padded at every world size here
+BATCH = 4
 
 
 def peak(shard, world: int, zero_grad: bool) -> int:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world,))
-    model = nn.Sequential(*(nn.Linear(DIM, DIM) for _ in range(LAYERS)))
+    model = linear_stack()
     for layer in model:
         shard(layer, mesh=mesh)
     shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(BATCH, DIM)
+    x = torch.randn(BATCH, LINEAR_DIM)
     tracker = MemTracker()
     tracker.track_external(model, optim)
     with tracker:

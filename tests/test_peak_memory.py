@@ -8,14 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.peak_memory import DIM, LAYERS
+from tests.models import LINEAR_DIM, LINEAR_LAYERS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def peaks(loop: str) -> dict[int, list[int]]:
     output = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "peak_memory.py"), loop],
+        [sys.executable, "-m", "tests.peak_memory", loop],
         check=True, cwd=ROOT, capture_output=True, text=True, timeout=300,
     ).stdout
     return {int(world): pair for world, pair in json.loads(output).items()}
@@ -30,5 +30,6 @@ def test_adding_into_gradients_holds_at_most_one_more_copy_of_the_gradient_shard
     # A backward that adds into existing .grads keeps its reduced shards apart until it
     # finishes (a backward that raises leaves the earlier gradients as they were).
     for world, (ours, theirs) in peaks("accumulate").items():
-        gradient_shards = LAYERS * -(-DIM // world) * (DIM + 1) * 4
+        rows = -(-LINEAR_DIM // world)
+        gradient_shards = LINEAR_LAYERS * rows * (LINEAR_DIM + 1) * 4
         assert ours <= theirs + gradient_shards, (world, ours, theirs, gradient_shards)

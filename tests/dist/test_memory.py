@@ -13,9 +13,9 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from fsdp_compose import fully_shard
+from tests.models import LINEAR_DIM, linear_stack
 
 CPU = torch.device("cpu")
-DIM, LAYERS, BATCH = 33, 6, 4  # 33 rows: shards are padded at every world size here
 
 
 def padded_bytes(model: nn.Module, world: int) -> int:
@@ -29,11 +29,11 @@ def check_only_shards_stay_allocated(zero_grad: bool) -> None:
     """Three steps under MemTracker, with zero_grad(set_to_none=True) between them or
     adding into the gradients."""
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(DIM, DIM) for _ in range(LAYERS)))
+    model = linear_stack()
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
-    x = torch.randn(BATCH, DIM)
+    x = torch.randn(4, LINEAR_DIM)
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
