@@ -2,7 +2,8 @@
 (FSDP2), DDP and a single-process floor, side by side in one run.
 
     torchrun --nproc_per_node=2 benchmarks/step.py                  # CPU, gloo: a few minutes
-    torchrun --nproc_per_node=8 benchmarks/step.py --dim 1024 --depth 16 --seq 1024   # GPUs
+    torchrun --nproc_per_node=8 benchmarks/step.py --dim 1024 --depth 16 --seq 1024 \
+        --heads 16 --vocab 32768 --dtype bfloat16 --peak-tflops 989   # GPUs (H100: 989)
 
 Every contender trains the GPT of examples/train_gpt.py (one unit per block plus the root)
 from the same weights on the same batches with AdamW. Rounds interleave the contenders so
@@ -12,6 +13,8 @@ contention for the machine). Peak memory per rank comes from a separate tracked 
 (torch's MemTracker, by category) next to the analytic bound: sharded parameters,
 gradients and AdamW state, plus the largest units unsharded at once (one computing, one
 prefetched, and the gradient of the one computing), plus the floor's activations.
+On CUDA it also reports MFU and, from the profiler, the fraction of communication hidden
+under compute.
 Collectives and bytes per step are counted at dispatch, next to the analytic floor of one
 all-gather per unit per pass and one reduce-scatter per unit. Rank 0 prints a table and
 writes JSON and a PNG chart (with matplotlib) to --out.
@@ -24,6 +27,7 @@ import gc
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +39,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -52,7 +57,7 @@ COLLECTIVES = {
 
 def build(name: str, args: argparse.Namespace, device: torch.device) -> nn.Module:
     torch.manual_seed(0)  # the same weights for every contender
-    model = GPT(args.vocab, args.dim, args.heads, args.depth, args.seq).to(device)
+    model = GPT(args.vocab, args.dim, args.heads, args.depth, args.seq).to(device, args.dtype)
     if name in ("fsdp_compose", "FSDP2"):
         shard = fully_shard if name == "fsdp_compose" else torch_fully_shard
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -141,6 +146,44 @@ def measure_memory(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch
     return {getattr(k, "value", k): int(v) for k, v in by_category.items()}
 
 
+def hidden_communication(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
+    """On CUDA, the fraction of GPU time off the compute stream (collectives and their
+    copies, on their own streams) that ran while the compute stream was busy, over three
+    profiled steps. The compute stream is the one with the most GPU time."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            train_step(model, optim, tokens)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            spans.setdefault(e["args"]["stream"], []).append((e["ts"], e["ts"] + e["dur"]))
+    compute = max(spans, key=lambda s: sum(end - start for start, end in spans[s]))
+    busy = _union(spans.pop(compute))
+    side = _union([span for stream in spans.values() for span in stream])
+    total = sum(end - start for start, end in side)
+    hidden = sum(
+        max(0.0, min(end, b_end) - max(start, b_start))
+        for start, end in side for b_start, b_end in busy
+        if b_start < end and start < b_end
+    )
+    return hidden / total if total else 1.0
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def run(args: argparse.Namespace, device: torch.device) -> dict:
     models = {name: build(name, args, device) for name in CONTENDERS}
     optims = {name: torch.optim.AdamW(m.parameters(), lr=args.lr) for name, m in models.items()}
@@ -168,6 +211,9 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
         comm[name] = {"calls": counter.calls, "bytes": counter.bytes}
     comm["DDP"] = {"calls": {}, "bytes": ddp_bytes(models["DDP"])}
     memory = {name: measure_memory(models[name], optims[name], tokens) for name in CONTENDERS}
+    hidden = None
+    if device.type == "cuda":
+        hidden = {n: hidden_communication(models[n], optims[n], tokens) for n in CONTENDERS[:3]}
     floor = analytic(args, models["floor"], memory["floor"]["Activation"])
 
     median = {name: statistics.median(t) for name, t in times.items()}
@@ -186,6 +232,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
         },
         "losses": {n: losses[n] for n in ("fsdp_compose", "FSDP2", "DDP")},
         "mfu": mfu(args, median, device),
+        "hidden_communication": hidden,
     }
 
 
@@ -215,6 +262,9 @@ def report(result: dict, out: Path) -> None:
     print(f"{'floor':14}all_gather {a['all_gather_calls']} x, {a['all_gather_bytes']} B; "
           f"reduce_scatter {a['reduce_scatter_calls']} x, {a['reduce_scatter_bytes']} B")
     print(f"max |loss - FSDP2's|: {result['max_loss_difference_vs_fsdp2']}")
+    for key in ("mfu", "hidden_communication"):
+        if result[key] is not None:
+            print(f"{key}: " + ", ".join(f"{n} {v:.3f}" for n, v in result[key].items()))
     try:
         import matplotlib
     except ImportError:
@@ -250,6 +300,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dtype", type=lambda name: getattr(torch, name), default=torch.float32,
+                        help="of the whole model and its training, e.g. bfloat16 on GPUs")
     parser.add_argument("--steps", type=int, default=5, help="steps per contender per round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1, help="rounds not timed")

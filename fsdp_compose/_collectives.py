@@ -84,16 +84,17 @@ def all_gather(
 ) -> dist.Work | None:
     """Gather every rank's equal-sized flat `shard` into `output`, rank after rank."""
     if custom is not None:
-        return custom(output, shard, group, async_op=async_op)
-    if group.size() == 1:
+        work = custom(output, shard, group, async_op=async_op)
+    elif group.size() == 1:
         output.copy_(shard)  # replicate-only units and single-rank meshes send nothing
         return None
-    # The process group's own method, which dist.all_gather_single calls after checks that
-    # cost more than the rest of a unit's unshard (our tensors are flat and ours).
-    if output.is_complex():  # sent as real pairs, as torch.distributed sends them
-        output, shard = torch.view_as_real(output), torch.view_as_real(shard)
-    work = group.all_gather_single(output, shard, _all_gather_options(async_op))
-    if async_op:
+    else:
+        # The process group's own method, which dist.all_gather_single calls after checks
+        # that cost more than the rest of a unit's unshard (our tensors are flat and ours).
+        if output.is_complex():  # sent as real pairs, as torch.distributed sends them
+            output, shard = torch.view_as_real(output), torch.view_as_real(shard)
+        work = group.all_gather_single(output, shard, _all_gather_options(async_op))
+    if async_op or work is None:
         return work
     work.wait()
     return None
@@ -101,22 +102,29 @@ def all_gather(
 
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, reduction: GradReduction,
-    custom: CustomComm | None = None,
+    custom: CustomComm | None = None, async_op: bool = True,
 ) -> dist.Work | None:
-    """Start reducing `input` (row r: the values for rank r) across `group`; rank r keeps
-    row r. Applies the pre-scale; the post-divide is the caller's, after any all-reduce.
-    Returns the Work to wait for (None: done)."""
+    """Reduce `input` (row r: the values for rank r) across `group`; rank r keeps row r.
+    Applies the pre-scale; the post-divide is the caller's, after any all-reduce. With
+    `async_op`, returns the Work to wait for (None: done)."""
     if reduction.pre_scale is not None:
         input.mul_(reduction.pre_scale)
     if custom is not None:
-        return custom(output, input, group, reduction.op, async_op=True)
-    if group.size() == 1:
+        work = custom(output, input, group, reduction.op, async_op=async_op)
+    elif group.size() == 1:
         output.copy_(input)
         return None
-    # As in all_gather: the group's own method, complex tensors as real pairs.
-    if output.is_complex():
-        output, input = torch.view_as_real(output), torch.view_as_real(input)
-    return group.reduce_scatter_single(output, input, _reduce_scatter_options(reduction.op))
+    else:
+        # As in all_gather: the group's own method, complex tensors as real pairs.
+        if output.is_complex():
+            output, input = torch.view_as_real(output), torch.view_as_real(input)
+        work = group.reduce_scatter_single(
+            output, input, _reduce_scatter_options(reduction.op, async_op)
+        )
+    if async_op or work is None:
+        return work
+    work.wait()
+    return None
 
 
 # The options of our calls, built once: the process group only reads them.
@@ -128,10 +136,10 @@ def _all_gather_options(async_op: bool) -> AllgatherOptions:
 
 
 @functools.cache
-def _reduce_scatter_options(op: ReduceOp.RedOpType) -> dist.ReduceScatterOptions:
+def _reduce_scatter_options(op: ReduceOp.RedOpType, async_op: bool) -> dist.ReduceScatterOptions:
     options = dist.ReduceScatterOptions()
     options.reduceOp = op
-    options.asyncOp = True
+    options.asyncOp = async_op
     return options
 
 

@@ -199,8 +199,10 @@ class UnitState:
             self._modules_to_run = set(self.modules)
             if ctx.forward_root is None:
                 ctx.forward_root = self
-                if (event := ctx.root.post_optim_event) is not None:
-                    ctx.root.post_optim_event = None
+                event, ctx.root.post_optim_event = ctx.root.post_optim_event, None
+                if (side := self.unit.streams) is not None:
+                    side.follow_compute(event)  # gathers see the optimizer's step
+                elif event is not None:
                     event.wait()  # the current stream, which gathers, waits for the optimizer
                 if ctx.forward_order:
                     ctx.last_forward_order = ctx.forward_order

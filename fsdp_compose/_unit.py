@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -16,24 +17,28 @@ from ._collectives import (
 )
 from ._codec import AllGatherCodec
 from ._param import ShardedParam
+from ._streams import side_streams
+
+_CPU = nullcontext()  # no side streams: collectives are gloo's async work (reusable, cheap)
 
 
 class _Gather(NamedTuple):
     """An all-gather in flight: its result (row r: rank r's shards) and how to copy it out."""
 
     gathered: torch.Tensor
-    work: Work | None
+    work: Work | torch.Event | None  # wait(): gloo blocks; an event orders the compute stream
     rows: int  # ranks gathered from
     sizes: list[int]  # each parameter's padded shard, per row (bytes if encoded)
     from_post_forward: bool
     encoded: bool  # uint8 rows of codec encodings; see _encode
+    inputs: list[torch.Tensor] | None  # kept until waited for; see _streams.py
 
 
 class _Reduction(NamedTuple):
     """A reduce-scatter in flight: its buffers (kept alive until it is done), and whose
     gradient shards its output holds."""
 
-    work: Work | None
+    work: Work | torch.Event | None
     input: torch.Tensor
     output: torch.Tensor
     params: list[ShardedParam]
@@ -56,6 +61,7 @@ class Unit:
         self.label = "<not run yet>"  # the module's fqn under its root, set at the first forward
         self.mesh = mesh
         self.device = device  # where the unsharded parameters live
+        self.streams = side_streams(device)  # None on the CPU
         self.group = mesh.get_group(mesh.ndim - 1)
         self.shard_size = mesh.size(-1)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
@@ -133,32 +139,42 @@ class Unit:
         if self._post_forward_kept:  # gather inside the smaller group, from kept pieces
             self._post_forward_kept = False
             group, sizes = self._post_forward_group, [p.post_forward_numel for p in self.params]
-            shards = torch.cat([p.post_forward_shard for p in self.params])
+            inputs = [p.post_forward_shard for p in self.params]
             for p in self.params:
                 p.post_forward_shard = None
         else:
             self.adopt_registered()
             if not self._laid_out:
                 self._lay_out()
-            group, sizes = self.group, self._gather_sizes
-            if self.codecs:
+            group, sizes, inputs = self.group, self._gather_sizes, None
+        rows = self.shard_size if group is self.group else group.size()
+        side = self.streams
+        with _CPU if side is None else side.gathering():
+            if inputs is not None:
+                shards = torch.cat(inputs)
+            elif self.codecs:
                 shards, sizes = self._encode()
             else:
                 shards = self._flat_shard()
-        rows = self.shard_size if group is self.group else group.size()
-        if self.custom_all_gather is None:  # row r: rank r's shards
-            gathered = self._gather_buffer.take(rows * shards.numel(), shards.dtype, shards.device)
-        else:
-            gathered = allocate(
-                self.custom_all_gather, (rows * shards.numel(),), shards.dtype, shards.device
-            )
-        try:
-            work = all_gather(gathered, shards, group, async_op, self.custom_all_gather)
-        except RuntimeError as error:
-            raise collective_failed(self.label, "all-gather", rows, error) from error
+            if self.custom_all_gather is None:  # row r: rank r's shards
+                gathered = self._gather_buffer.take(
+                    rows * shards.numel(), shards.dtype, shards.device
+                )
+            else:
+                gathered = allocate(
+                    self.custom_all_gather, (rows * shards.numel(),), shards.dtype, shards.device
+                )
+            try:
+                work = all_gather(
+                    gathered, shards, group, async_op and side is None, self.custom_all_gather
+                )
+            except RuntimeError as error:
+                raise collective_failed(self.label, "all-gather", rows, error) from error
+            if side is not None:
+                work = side.gathered()
         self._pending_gather = _Gather(
             gathered, work, rows, sizes, group is not self.group,
-            shards.dtype == torch.uint8 and bool(self.codecs),
+            shards.dtype == torch.uint8 and bool(self.codecs), inputs,
         )
         if not async_op:
             self.wait_for_unshard()
@@ -247,6 +263,8 @@ class Unit:
                 if gather.from_post_forward else self._gather_targets,
             )
         self._gather_buffer.release()
+        if self.streams is not None:
+            self.streams.copied_out()
         for p in self.params:
             p.to_unsharded()
         self.is_unsharded = True
@@ -356,19 +374,23 @@ class Unit:
         # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
         # pads them to the shard layout and casts to reduce_dtype.
         torch._chunk_cat([g for _, g in with_grad], dim=0, num_chunks=self.shard_size, out=grads)
-        reduced = allocate(self.custom_reduce_scatter, (sum(sizes),), grads.dtype, grads.device)
         replicas = self.replicate_group.size() if self.replicate_group is not None else 1
         reduction = grad_reduction(
             self.shard_size, replicas, self.reduce_dtype, self.gradient_divide_factor,
             self.force_sum_reduction,
         )
-        try:
-            work = reduce_scatter(
-                reduced, grads.view(-1), self.reduce_scatter_group, reduction,
-                self.custom_reduce_scatter,
-            )
-        except RuntimeError as error:
-            raise collective_failed(self.label, "reduce-scatter", self.shard_size, error) from error
+        side = self.streams
+        with _CPU if side is None else side.reducing():
+            reduced = allocate(self.custom_reduce_scatter, (sum(sizes),), grads.dtype, grads.device)
+            try:
+                work = reduce_scatter(
+                    reduced, grads.view(-1), self.reduce_scatter_group, reduction,
+                    self.custom_reduce_scatter, async_op=side is None,
+                )
+            except RuntimeError as error:
+                raise collective_failed(self.label, "reduce-scatter", self.shard_size, error) from error
+            if side is not None:
+                work = side.reduced()
         params = [p for p, _ in with_grad]
         self._pending_reduction = _Reduction(work, grads, reduced, params, sizes, reduction)
         return True

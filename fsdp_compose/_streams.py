@@ -1,0 +1,86 @@
+"""On an accelerator: the streams units gather and reduce on, beside the one that computes.
+
+Forward, backward and the optimizer run on the current ("compute") stream. A collective
+issued there would wait for every kernel queued before it; the CPU runs ahead of the
+device, so the next unit's all-gather would wait for this unit's compute. On their own
+streams, the all-gather waits only for what it reads and the reduce-scatter only for the
+gradients: both overlap compute. Events order the streams, and memory is reused safely
+without Tensor.record_stream, by two rules that make every reuse of a block wait for its
+last use:
+
+- The gathered buffer, allocated on the all-gather stream, is freed once its copy-out is
+  queued on the compute stream; before it allocates again, the all-gather stream waits
+  for the latest copy-out (`gathering`). Inputs the compute stream allocated (pieces kept
+  after forward) stay referenced until the compute stream waited for the gather.
+- The reduce-scatter's input, allocated on the compute stream, is freed only after the
+  compute stream waited for the reduction. The reduce-scatter stream waits for the compute
+  stream before each reduction (`reducing`), so its output (a `.grad`, freed later on the
+  compute stream) is reused only once the compute stream is done with it.
+
+The sharded parameters the all-gather reads change on the compute stream (the optimizer),
+so the all-gather stream waits for it at each iteration's first forward (`follow_compute`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+class SideStreams:
+    def __init__(self, device: torch.device) -> None:
+        self._module: Any = torch.get_device_module(device)
+        self.device = device
+        # High priority, as their kernels are short and others wait for them.
+        self.all_gather = self._module.Stream(device, priority=-1)
+        self.reduce_scatter = self._module.Stream(device, priority=-1)
+        self._copied_out: torch.Event | None = None  # on the compute stream
+
+    def _current(self) -> torch.Stream:
+        return self._module.current_stream(self.device)
+
+    def follow_compute(self, event: torch.Event | None = None) -> None:
+        """Gathers from now on see what the compute stream wrote so far (or, with `event`,
+        until the event: torch's post-optimizer event)."""
+        if event is None:
+            self.all_gather.wait_stream(self._current())
+        else:
+            event.wait(self.all_gather)
+
+    @contextmanager
+    def gathering(self) -> Iterator[None]:
+        """The all-gather stream, current, after the latest copy-out."""
+        if self._copied_out is not None:
+            self.all_gather.wait_event(self._copied_out)
+        with self._module.stream(self.all_gather):
+            yield
+
+    def gathered(self) -> torch.Event:
+        """An event for the gather just issued; its `wait()` orders the compute stream after it."""
+        return self.all_gather.record_event()
+
+    def copied_out(self) -> None:
+        """A gathered buffer was copied out on the compute stream and freed."""
+        self._copied_out = self._current().record_event()
+
+    @contextmanager
+    def reducing(self) -> Iterator[None]:
+        """The reduce-scatter stream, current, after everything the compute stream queued."""
+        self.reduce_scatter.wait_stream(self._current())
+        with self._module.stream(self.reduce_scatter):
+            yield
+
+    def reduced(self) -> torch.Event:
+        return self.reduce_scatter.record_event()
+
+
+@functools.cache  # one pair of streams per device, shared by every unit on it
+def side_streams(device: torch.device) -> SideStreams | None:
+    """The side streams for `device`; None on the CPU (gloo's work handles run async there)."""
+    if device.type in ("cpu", "meta"):
+        return None
+    return SideStreams(device)

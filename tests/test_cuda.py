@@ -1,0 +1,168 @@
+"""On a GPU (skipped without one): gathers and reductions on their own streams, checked
+for parity with torch's fully_shard and a single-GPU model, and for ordering: stalls that
+keep one stream far behind the others must change no number. One rank, NCCL."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from fsdp_compose import MixedPrecisionPolicy, fully_shard
+from tests.models import Block, lm_loss, token_batch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+# cuBLAS picks its algorithms deterministically with this, read at its first use: runs
+# can then be compared bit for bit.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+STALL_CYCLES = 20_000_000  # about 10 ms of a spinning kernel
+VOCAB, DIM, SEQ = 96, 64, 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nccl_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    torch.cuda.set_device(0)
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+    dist.destroy_process_group()
+
+
+class Stall(torch.autograd.Function):
+    """Identity that keeps the stream busy in forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(STALL_CYCLES)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(STALL_CYCLES)
+        return grad
+
+
+class GPT(nn.Module):
+    def __init__(self, depth: int = 4, stall: bool = False) -> None:
+        super().__init__()
+        self.stall = stall
+        self.tok_emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(DIM, heads=4) for _ in range(depth))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(tokens)
+        for block in self.blocks:
+            x = block(Stall.apply(x) if self.stall else x)
+        return self.head(x)
+
+
+def stalling_comms(module: nn.Module) -> None:
+    """Collectives through NCCL (not the one-rank copy) that first stall their stream."""
+
+    def gather(output, input, group, async_op=False):
+        torch.cuda._sleep(STALL_CYCLES)
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+    def reduce(output, input, group, op, async_op=False):
+        torch.cuda._sleep(STALL_CYCLES)
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+    module.set_custom_all_gather(gather)
+    module.set_custom_reduce_scatter(reduce)
+
+
+def train(model: nn.Module, steps: int, stall: bool = False) -> list[torch.Tensor]:
+    """Losses of `steps` AdamW steps; with `stall`, the optimizer also starts late."""
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        loss = lm_loss(model, token_batch(step, 8, SEQ, VOCAB).cuda())
+        loss.backward()
+        if stall:
+            torch.cuda._sleep(STALL_CYCLES)
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def shard(model: GPT, fn, mp: bool = False, **kwargs) -> GPT:
+    mesh = init_device_mesh("cuda", (1,))
+    if mp:
+        policy = MixedPrecisionPolicy if fn is fully_shard else TorchMixedPrecisionPolicy
+        kwargs["mp_policy"] = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fn(block, mesh=mesh, **kwargs)
+    fn(model, mesh=mesh, **kwargs)
+    return model
+
+
+def new_model(stall: bool = False) -> GPT:
+    torch.manual_seed(0)
+    return GPT(stall=stall).cuda()
+
+
+def assert_same_training(a: nn.Module, b: nn.Module, losses_a, losses_b, **tolerance) -> None:
+    torch.testing.assert_close(torch.stack(losses_a), torch.stack(losses_b), **tolerance)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        other = q.full_tensor() if hasattr(q, "full_tensor") else q
+        torch.testing.assert_close(full, other, msg=lambda m: f"{name}: {m}", **tolerance)
+
+
+@pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_training_matches_torch_and_one_gpu(mp, reshard_after_forward):
+    ours = shard(new_model(), fully_shard, mp, reshard_after_forward=reshard_after_forward)
+    theirs = shard(new_model(), torch_fully_shard, mp, reshard_after_forward=reshard_after_forward)
+    plain = new_model()
+    our_losses, their_losses = train(ours, 4), train(theirs, 4)
+    assert ours.blocks[0]._state().unit.streams is not None
+    assert_same_training(ours, theirs, our_losses, their_losses, rtol=0, atol=0)
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if mp else {}
+    assert_same_training(ours, plain, our_losses, train(plain, 4), **tolerance)
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["implicit", "explicit prefetch"])
+def test_stalled_streams_change_nothing(prefetch):
+    """Stall the compute stream before every block, in backward and before the optimizer,
+    and the side streams inside every collective: a missing wait would read data not yet
+    written or reuse a buffer still being read, and change the numbers."""
+    calm = shard(new_model(), fully_shard)
+    stalled = shard(new_model(stall=True), fully_shard)
+    blocks = list(stalled.blocks)
+    for module in [*blocks, stalled]:
+        stalling_comms(module)
+    if prefetch:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 3])
+            block.set_modules_to_backward_prefetch(blocks[max(i - 2, 0) : i][::-1])
+    assert_same_training(stalled, calm, train(stalled, 3, stall=True), train(calm, 3), rtol=0, atol=0)
+
+
+def test_a_gather_does_not_wait_for_compute():
+    model = shard(new_model(), fully_shard)
+    train(model, 1)
+    unit = model.blocks[1]._state().unit
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50 * STALL_CYCLES)  # the compute stream is busy for about half a second
+    unit.unshard(async_op=True)
+    unit._pending_gather.work.synchronize()  # the gather's event, on the all-gather stream
+    assert not torch.cuda.current_stream().query(), "the gather waited for the compute stream"
+    unit.wait_for_unshard()
+    unit.reshard()
+    torch.cuda.synchronize()
+
