@@ -6,29 +6,35 @@ import torch
 
 
 class ReusedBuffer:
-    """One flat tensor whose storage exists only between `take` and `release`.
+    """One tensor (the rows of a collective) whose storage exists only between `take` and
+    `release`.
 
     A unit gathers and reduces the same sizes at every step; resizing one tensor's storage
     costs a fraction of constructing a new tensor, and freeing it after each use keeps the
     memory what fresh buffers would take.
     """
 
-    __slots__ = ("_tensor",)
+    __slots__ = ("_tensor", "flat")
 
     def __init__(self) -> None:
         self._tensor: torch.Tensor | None = None
+        self.flat: torch.Tensor | None = None  # the taken tensor, 1-D (a view, made once)
 
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A tensor of `numel` elements, uninitialised, until `release`."""
+    def take(
+        self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A contiguous tensor of `shape` (rows of a collective), uninitialised, until
+        `release`. Its shape is kept with it, which spares a view per use."""
         tensor = self._tensor
-        if tensor is None or tensor.numel() != numel or tensor.dtype != dtype or (
+        if tensor is None or tensor.shape != shape or tensor.dtype != dtype or (
             tensor.device != device
         ):
             # Not an inference tensor, whichever mode the first use runs in.
             with torch.inference_mode(False):
-                tensor = self._tensor = torch.empty(numel, dtype=dtype, device=device)
+                tensor = self._tensor = torch.empty(shape, dtype=dtype, device=device)
+                self.flat = tensor.view(-1)
         else:
-            tensor.untyped_storage().resize_(numel * tensor.element_size())
+            tensor.untyped_storage().resize_(tensor.nbytes)
         return tensor
 
     def release(self) -> None:

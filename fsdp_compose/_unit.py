@@ -25,7 +25,7 @@ _CPU = nullcontext()  # no side streams: collectives are gloo's async work (reus
 class _Gather(NamedTuple):
     """An all-gather in flight: its result (row r: rank r's shards) and how to copy it out."""
 
-    gathered: torch.Tensor
+    gathered: torch.Tensor  # (rows, columns)
     work: Work | torch.Event | None  # wait(): gloo blocks; an event orders the compute stream
     rows: int  # ranks gathered from
     sizes: list[int]  # each parameter's padded shard, per row (bytes if encoded)
@@ -158,15 +158,17 @@ class Unit:
                 shards = self._flat_shard()
             if self.custom_all_gather is None:  # row r: rank r's shards
                 gathered = self._gather_buffer.take(
-                    rows * shards.numel(), shards.dtype, shards.device
+                    (rows, shards.numel()), shards.dtype, shards.device
                 )
+                flat = self._gather_buffer.flat
             else:
-                gathered = allocate(
+                flat = allocate(
                     self.custom_all_gather, (rows * shards.numel(),), shards.dtype, shards.device
                 )
+                gathered = flat.view(rows, -1)
             try:
                 work = all_gather(
-                    gathered, shards, group, async_op and side is None, self.custom_all_gather
+                    flat, shards, group, async_op and side is None, self.custom_all_gather
                 )
             except RuntimeError as error:
                 raise collective_failed(self.label, "all-gather", rows, error) from error
@@ -256,7 +258,7 @@ class Unit:
             self._decode(gather)
         else:
             torch.split_with_sizes_copy(
-                gather.gathered.view(gather.rows, -1),
+                gather.gathered,
                 gather.sizes,
                 dim=1,
                 out=[p.gather_target(from_post_forward=True) for p in self.params]
@@ -286,7 +288,7 @@ class Unit:
         return torch.cat(pieces), [piece.numel() for piece in pieces]
 
     def _decode(self, gather: _Gather) -> None:
-        rows = gather.gathered.view(gather.rows, -1).split(gather.sizes, dim=1)
+        rows = gather.gathered.split(gather.sizes, dim=1)
         for out, p, data in zip(self._gather_targets, self.params, rows):
             codec = self.codecs.get(p)
             if codec is None:
@@ -367,10 +369,11 @@ class Unit:
             sizes = [p.layout.padded_shard_numel for p, _ in with_grad]
         shape, device = (self.shard_size, sum(sizes)), with_grad[0][1].device
         if self.custom_reduce_scatter is None:  # row r: what rank r keeps, param after param
-            grads = self._reduce_buffer.take(shape[0] * shape[1], self.reduce_dtype, device)
-            grads = grads.view(shape)
+            grads = self._reduce_buffer.take(shape, self.reduce_dtype, device)
+            flat = self._reduce_buffer.flat
         else:
             grads = allocate(self.custom_reduce_scatter, shape, self.reduce_dtype, device)
+            flat = grads.view(-1)
         # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
         # pads them to the shard layout and casts to reduce_dtype.
         torch._chunk_cat([g for _, g in with_grad], dim=0, num_chunks=self.shard_size, out=grads)
@@ -384,7 +387,7 @@ class Unit:
             reduced = allocate(self.custom_reduce_scatter, (sum(sizes),), grads.dtype, grads.device)
             try:
                 work = reduce_scatter(
-                    reduced, grads.view(-1), self.reduce_scatter_group, reduction,
+                    reduced, flat, self.reduce_scatter_group, reduction,
                     self.custom_reduce_scatter, async_op=side is None,
                 )
             except RuntimeError as error:
