@@ -17,8 +17,11 @@ last use:
   stream before each reduction (`reducing`), so its output (a `.grad`, freed later on the
   compute stream) is reused only once the compute stream is done with it.
 
-The sharded parameters the all-gather reads change on the compute stream (the optimizer),
-so the all-gather stream waits for it at each iteration's first forward (`follow_compute`).
+What the all-gather reads is written on the compute stream: the sharded parameters (by the
+optimizer, or a checkpoint load), a unit's shards laid out anew, the pieces kept after
+forward. The all-gather stream waits for the compute stream (`follow_compute`) at each
+iteration's first forward, at an explicit unshard, and before gathering shards laid out
+anew or kept pieces.
 """
 
 from __future__ import annotations

@@ -142,13 +142,17 @@ class Unit:
             inputs = [p.post_forward_shard for p in self.params]
             for p in self.params:
                 p.post_forward_shard = None
+            written_on_compute = True
         else:
             self.adopt_registered()
-            if not self._laid_out:
+            written_on_compute = not self._laid_out
+            if written_on_compute:
                 self._lay_out()
             group, sizes, inputs = self.group, self._gather_sizes, None
         rows = self.shard_size if group is self.group else group.size()
         side = self.streams
+        if written_on_compute and side is not None:
+            side.follow_compute()  # the shards or kept pieces may still be being written
         with _CPU if side is None else side.gathering():
             if inputs is not None:
                 shards = torch.cat(inputs)

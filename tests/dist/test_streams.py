@@ -110,9 +110,16 @@ def check_protocol(**shard_kwargs) -> tuple[float, list[str]]:
     return errors.vs_torch, list(LOG)
 
 
-def assert_rules_kept(log: list[str]) -> None:
-    steps = 3
-    assert log.count("follow_compute") == steps, "the gathers follow the optimizer once per forward"
+STEPS = 3  # train_and_compare's
+
+
+def assert_rules_kept(log: list[str], gathers_from_kept_pieces: int = 0) -> None:
+    """`gathers_from_kept_pieces` per step: each also follows the compute stream, which wrote
+    the pieces (reshard_after_forward=<int>)."""
+    assert log.count("follow_compute") == STEPS * (1 + gathers_from_kept_pieces), (
+        "the gathers follow the compute stream once per forward and before each gather of "
+        "kept pieces"
+    )
     open_context = None
     waited_gathers: list[str] = []  # waited for, not yet copied out
     reductions_waited = reductions_released = 0
@@ -160,3 +167,9 @@ def test_side_stream_protocol_without_resharding_after_forward(ranks):
     for vs_torch, log in ranks.run(check_protocol, world_size=2, reshard_after_forward=False):
         assert vs_torch == 0.0
         assert_rules_kept(log)
+
+
+def test_side_stream_protocol_gathering_kept_pieces_after_forward(ranks):
+    for vs_torch, log in ranks.run(check_protocol, world_size=4, reshard_after_forward=2):
+        assert vs_torch == 0.0
+        assert_rules_kept(log, gathers_from_kept_pieces=4)  # three blocks and the root
