@@ -149,7 +149,7 @@ def measure_memory(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch
 def hidden_communication(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
     """On CUDA, the fraction of GPU time off the compute stream (collectives and their
     copies, on their own streams) that ran while the compute stream was busy, over three
-    profiled steps. The compute stream is the one with the most GPU time."""
+    profiled steps."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             train_step(model, optim, tokens)
@@ -162,14 +162,19 @@ def hidden_communication(model: nn.Module, optim: torch.optim.Optimizer, tokens:
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
             spans.setdefault(e["args"]["stream"], []).append((e["ts"], e["ts"] + e["dur"]))
+    return hidden_fraction(spans)
+
+
+def hidden_fraction(spans: dict[int, list[tuple[float, float]]]) -> float:
+    """Of the time some stream other than the compute stream (the one busy longest) is busy,
+    the fraction the compute stream is busy too. `spans`: (start, end) per stream."""
     compute = max(spans, key=lambda s: sum(end - start for start, end in spans[s]))
-    busy = _union(spans.pop(compute))
-    side = _union([span for stream in spans.values() for span in stream])
+    busy = _union(spans[compute])
+    side = _union([span for s, stream in spans.items() if s != compute for span in stream])
     total = sum(end - start for start, end in side)
     hidden = sum(
         max(0.0, min(end, b_end) - max(start, b_start))
         for start, end in side for b_start, b_end in busy
-        if b_start < end and start < b_end
     )
     return hidden / total if total else 1.0
 

@@ -43,3 +43,14 @@ def test_overhead_benchmark_reports_both_runtimes():
     per_unit = dict(re.findall(r"^(torch fully_shard|fsdp_compose)\s+\S+\s+(\S+)$", output, re.M))
     assert sorted(per_unit) == ["fsdp_compose", "torch fully_shard"], output
     assert all(float(v) == float(v) for v in per_unit.values()), output  # numbers, not NaN
+
+
+def test_hidden_fraction_counts_side_stream_time_under_compute():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step import hidden_fraction
+
+    compute = [(0.0, 10.0), (20.0, 30.0)]  # busy longest: the compute stream
+    side = {1: [(9.0, 11.0), (12.0, 16.0)], 2: [(14.0, 18.0), (20.0, 24.0)]}
+    # Side time after merging: 9-11, 12-18, 20-24 = 12; under compute: 9-10 and 20-24 = 5.
+    assert hidden_fraction({0: compute, **side}) == 5 / 12
+    assert hidden_fraction({0: compute}) == 1.0  # nothing to hide
