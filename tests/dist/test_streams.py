@@ -20,6 +20,7 @@ from tests.models import Transformer, lm_loss, token_batch
 
 LOG: list[str] = []  # per worker process
 EVENT_IDS = itertools.count()
+STEPS = 3  # train_and_compare's
 
 
 class RecordedEvent:
@@ -108,9 +109,6 @@ def check_protocol(**shard_kwargs) -> tuple[float, list[str]]:
     finally:
         unit_module.all_gather, unit_module.reduce_scatter = all_gather, reduce_scatter
     return errors.vs_torch, list(LOG)
-
-
-STEPS = 3  # train_and_compare's
 
 
 def assert_rules_kept(log: list[str], gathers_from_kept_pieces: int = 0) -> None:
