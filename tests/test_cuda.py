@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
-from tests.models import Block, lm_loss, token_batch
+from tests.models import Block
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 # can then be compared bit for bit.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 STALL_CYCLES = 20_000_000  # about 10 ms of a spinning kernel
-VOCAB, DIM, SEQ = 96, 64, 16
+DIM, SEQ = 64, 16
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,16 +54,17 @@ class Stall(torch.autograd.Function):
         return grad
 
 
-class GPT(nn.Module):
+class Blocks(nn.Module):
+    """Transformer blocks and a head on float features: every op deterministic on CUDA
+    (no embedding or cross-entropy backward), so runs compare bit for bit."""
+
     def __init__(self, depth: int = 4, stall: bool = False) -> None:
         super().__init__()
         self.stall = stall
-        self.tok_emb = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(Block(DIM, heads=4) for _ in range(depth))
-        self.head = nn.Linear(DIM, VOCAB)
+        self.head = nn.Linear(DIM, DIM)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_emb(tokens)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(Stall.apply(x) if self.stall else x)
         return self.head(x)
@@ -89,7 +90,8 @@ def train(model: nn.Module, steps: int, stall: bool = False) -> list[torch.Tenso
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(steps):
-        loss = lm_loss(model, token_batch(step, 8, SEQ, VOCAB).cuda())
+        x = torch.randn(8, SEQ, DIM, generator=torch.Generator().manual_seed(step)).cuda()
+        loss = (model(x).float() - x).pow(2).mean()
         loss.backward()
         if stall:
             torch.cuda._sleep(STALL_CYCLES)
@@ -99,7 +101,7 @@ def train(model: nn.Module, steps: int, stall: bool = False) -> list[torch.Tenso
     return losses
 
 
-def shard(model: GPT, fn, mp: bool = False, **kwargs) -> GPT:
+def shard(model: Blocks, fn, mp: bool = False, **kwargs) -> Blocks:
     mesh = init_device_mesh("cuda", (1,))
     if mp:
         policy = MixedPrecisionPolicy if fn is fully_shard else TorchMixedPrecisionPolicy
@@ -110,9 +112,9 @@ def shard(model: GPT, fn, mp: bool = False, **kwargs) -> GPT:
     return model
 
 
-def new_model(stall: bool = False) -> GPT:
+def new_model(stall: bool = False) -> Blocks:
     torch.manual_seed(0)
-    return GPT(stall=stall).cuda()
+    return Blocks(stall=stall).cuda()
 
 
 def assert_same_training(a: nn.Module, b: nn.Module, losses_a, losses_b, **tolerance) -> None:
@@ -132,7 +134,9 @@ def test_training_matches_torch_and_one_gpu(mp, reshard_after_forward):
     our_losses, their_losses = train(ours, 4), train(theirs, 4)
     assert ours.blocks[0]._state().unit.streams is not None
     assert_same_training(ours, theirs, our_losses, their_losses, rtol=0, atol=0)
-    tolerance = {"rtol": 2e-2, "atol": 2e-2} if mp else {}
+    # In bf16 a few tiny gradients change sign: Adam then moves those weights the other way
+    # (up to 2 * lr per step), hence an absolute tolerance of a few steps' updates.
+    tolerance = {"rtol": 2e-2, "atol": 5e-2} if mp else {}
     assert_same_training(ours, plain, our_losses, train(plain, 4), **tolerance)
 
 
