@@ -83,7 +83,8 @@ class SideStreams:
 
 @functools.cache  # one pair of streams per device, shared by every unit on it
 def side_streams(device: torch.device) -> SideStreams | None:
-    """The side streams for `device`; None on the CPU (gloo's work handles run async there)."""
-    if device.type in ("cpu", "meta"):
+    """The side streams for `device`; None on the CPU (gloo's work handles run async there)
+    and on devices without streams."""
+    if device.type in ("cpu", "meta") or not hasattr(torch.get_device_module(device), "Stream"):
         return None
     return SideStreams(device)
