@@ -35,6 +35,8 @@ import torch
 
 
 class SideStreams:
+    """One device's all-gather and reduce-scatter streams, and the latest copy-out event."""
+
     def __init__(self, device: torch.device) -> None:
         self._module: Any = torch.get_device_module(device)
         self.device = device
