@@ -13,11 +13,10 @@ contention for the machine). Peak memory per rank comes from a separate tracked 
 (torch's MemTracker, by category) next to the analytic bound: sharded parameters,
 gradients and AdamW state, plus the largest units unsharded at once (one computing, one
 prefetched, and the gradient of the one computing), plus the floor's activations.
-On CUDA it also reports MFU and, from the profiler, the fraction of communication hidden
-under compute.
 Collectives and bytes per step are counted at dispatch, next to the analytic floor of one
-all-gather per unit per pass and one reduce-scatter per unit. Rank 0 prints a table and
-writes JSON and a PNG chart (with matplotlib) to --out.
+all-gather per unit per pass and one reduce-scatter per unit. On CUDA it also reports MFU
+and, from the profiler, the fraction of communication hidden under compute. Rank 0 prints
+a table and writes JSON and a PNG chart (with matplotlib) to --out.
 """
 
 from __future__ import annotations
@@ -168,6 +167,8 @@ def hidden_communication(model: nn.Module, optim: torch.optim.Optimizer, tokens:
 def hidden_fraction(spans: dict[int, list[tuple[float, float]]]) -> float:
     """Of the time some stream other than the compute stream (the one busy longest) is busy,
     the fraction the compute stream is busy too. `spans`: (start, end) per stream."""
+    if len(spans) < 2:
+        return 1.0  # nothing ran beside the compute stream
     compute = max(spans, key=lambda s: sum(end - start for start, end in spans[s]))
     busy = _union(spans[compute])
     side = _union([span for s, stream in spans.items() if s != compute for span in stream])
