@@ -16,7 +16,7 @@ from ._collectives import (
     grad_reduction, reduce_scatter,
 )
 from ._codec import AllGatherCodec
-from ._param import ShardedParam
+from ._param import Registration, ShardedParam, local_of
 from ._streams import side_streams
 
 _CPU = nullcontext()  # no side streams: collectives are gloo's async work (reusable, cheap)
@@ -92,6 +92,7 @@ class Unit:
         self._flat_needs_cast = False  # to param_dtype, or to the device (CPU offload)
         self._unsharded_storages: list[tuple[torch.UntypedStorage, int]] = []
         self._gather_targets: list[torch.Tensor] = []
+        self._registrations: list[Registration] = []
         if params and not any(p.is_meta for p in params):
             self._lay_out()
         self._gather_buffer = ReusedBuffer()  # unless a custom all-gather allocates
@@ -112,9 +113,36 @@ class Unit:
 
     def adopt_registered(self) -> None:
         """Take back parameters changed behind our back; see ShardedParam.adopt_registered."""
+        if self._laid_out:
+            for parameters, name, sharded, unsharded, local in self._registrations:
+                registered = parameters.get(name)
+                if registered is not unsharded and (
+                    registered is not sharded or local_of(sharded) is not local
+                ):
+                    break
+            else:
+                return  # all as the last layout left them
         for p in self.params:
             if p.adopt_registered():
                 self.shards_replaced()
+
+    def _register_unsharded(self) -> None:
+        if not self._laid_out:  # a parameter changed since the layout: it knows its forms
+            for p in self.params:
+                p.to_unsharded()
+            return
+        for parameters, name, sharded, unsharded, _ in self._registrations:
+            if unsharded.requires_grad is not sharded.requires_grad:  # (un)frozen since
+                unsharded.requires_grad_(sharded.requires_grad)
+            parameters[name] = unsharded
+
+    def _register_sharded(self) -> None:
+        if not self._laid_out:
+            for p in self.params:
+                p.to_sharded()
+            return
+        for parameters, name, sharded, _, _ in self._registrations:
+            parameters[name] = sharded
 
     def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
         """Reshard after forward to dim 1 of `mesh` (a smaller group), or fully if None."""
@@ -223,6 +251,9 @@ class Unit:
         for storage, _ in self._unsharded_storages:
             storage.resize_(0)
         self._gather_targets = [p.gather_target(from_post_forward=False) for p in params]
+        # The unit registers and checks all its parameters in one loop each (a method call
+        # per parameter costs more than the work), while this layout holds.
+        self._registrations = [r for p in params for r in p.registrations()]
         self._laid_out = True
 
     def _flat_shard(self) -> torch.Tensor:
@@ -271,8 +302,7 @@ class Unit:
         self._gather_buffer.release()
         if self.streams is not None:
             self.streams.copied_out()
-        for p in self.params:
-            p.to_unsharded()
+        self._register_unsharded()
         self.is_unsharded = True
 
     def _encode(self) -> tuple[torch.Tensor, list[int]]:
@@ -311,10 +341,10 @@ class Unit:
                 for p in self.params:
                     p.post_forward_shard = None
             return
-        for p in self.params:
-            if keep:
+        if keep:
+            for p in self.params:
                 p.keep_post_forward_shard()
-            p.to_sharded()
+        self._register_sharded()
         for storage, _ in self._unsharded_storages:
             storage.resize_(0)
         self._post_forward_kept = keep
