@@ -105,9 +105,8 @@ def reduce_scatter(
     custom: CustomComm | None = None, async_op: bool = True,
 ) -> dist.Work | None:
     """Reduce `input` (flat, block r: the values for rank r) across `group`; rank r keeps
-    block r in `output`.
-    Applies the pre-scale; the post-divide is the caller's, after any all-reduce. With
-    `async_op`, returns the Work to wait for (None: done)."""
+    block r in `output`. Applies the pre-scale; the post-divide is the caller's, after any
+    all-reduce. With `async_op`, returns the Work to wait for (None: done)."""
     if reduction.pre_scale is not None:
         input.mul_(reduction.pre_scale)
     if custom is not None:
