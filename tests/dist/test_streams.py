@@ -32,17 +32,21 @@ class RecordedEvent:
         LOG.append(f"wait {self.name}")
 
 
+@contextmanager
+def logged_stream(name: str):
+    LOG.append(name)
+    yield
+    LOG.append(f"/{name}")
+
+
 class RecordingStreams:
     """Logs each step of the protocol instead of ordering streams."""
 
     def follow_compute(self, event=None) -> None:
         LOG.append("follow_compute")
 
-    @contextmanager
     def gathering(self):
-        LOG.append("gathering")
-        yield
-        LOG.append("/gathering")
+        return logged_stream("gathering")
 
     def gathered(self) -> RecordedEvent:
         return RecordedEvent(f"gathered#{next(EVENT_IDS)}")
@@ -50,11 +54,8 @@ class RecordingStreams:
     def copied_out(self) -> None:
         LOG.append("copied_out")
 
-    @contextmanager
     def reducing(self):
-        LOG.append("reducing")
-        yield
-        LOG.append("/reducing")
+        return logged_stream("reducing")
 
     def reduced(self) -> RecordedEvent:
         return RecordedEvent(f"reduced#{next(EVENT_IDS)}")
