@@ -14,10 +14,14 @@ class ReusedBuffer:
     memory what fresh buffers would take.
     """
 
-    __slots__ = ("_tensor", "flat")
+    __slots__ = ("_tensor", "_storage", "_nbytes", "_spec", "flat")
 
     def __init__(self) -> None:
         self._tensor: torch.Tensor | None = None
+        # Kept beside the tensor: reading them from it costs more than the resize.
+        self._storage: torch.UntypedStorage | None = None
+        self._nbytes = 0
+        self._spec: tuple[tuple[int, int], torch.dtype, torch.device] | None = None
         self.flat: torch.Tensor | None = None  # the taken tensor, 1-D (a view, made once)
 
     def take(
@@ -25,19 +29,19 @@ class ReusedBuffer:
     ) -> torch.Tensor:
         """A contiguous tensor of `shape` (rows of a collective), uninitialised, until
         `release`. Its shape is kept with it, which spares a view per use."""
-        tensor = self._tensor
-        if tensor is None or tensor.shape != shape or tensor.dtype != dtype or (
-            tensor.device != device
-        ):
+        spec = self._spec
+        if spec is None or shape != spec[0] or dtype is not spec[1] or device != spec[2]:
             # Not an inference tensor, whichever mode the first use runs in.
             with torch.inference_mode(False):
                 tensor = self._tensor = torch.empty(shape, dtype=dtype, device=device)
-                self.flat = tensor.view(-1)
-        else:
-            tensor.untyped_storage().resize_(tensor.nbytes)
-        return tensor
+            self.flat = tensor.view(-1)
+            self._storage, self._nbytes = tensor.untyped_storage(), tensor.nbytes
+            self._spec = (shape, dtype, device)
+            return tensor
+        self._storage.resize_(self._nbytes)
+        return self._tensor
 
     def release(self) -> None:
         """Free the storage; what `take` returned must no longer be in use."""
-        if self._tensor is not None:
-            self._tensor.untyped_storage().resize_(0)
+        if self._storage is not None:
+            self._storage.resize_(0)

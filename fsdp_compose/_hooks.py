@@ -105,6 +105,11 @@ class UnitState:
     _modules_to_run: set[nn.Module] = field(default_factory=set)
     _pending_post_backward: int = 0  # input nodes whose backward has not run yet
 
+    def __post_init__(self) -> None:
+        # What forward casts its floating-point inputs to (None: nothing), read per call.
+        mp = self.mp_policy
+        self._input_dtype = mp.param_dtype if mp.cast_forward_inputs else None
+
     def install_hooks(self) -> None:
         for module in self.modules:
             module.register_forward_pre_hook(
@@ -184,12 +189,15 @@ class UnitState:
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        self.lazy_init()
-        if _in_backward():
+        if self.ctx is None:
+            self.lazy_init()
+        if _current_graph_task_id() != -1:  # in backward
             # Activation checkpointing re-runs forward inside backward: only make sure the
             # parameters are there; the pre-backward hook owns this unit's schedule.
             self.unit.unshard()
-            return self._cast_inputs(args, kwargs)
+            if self._input_dtype is not None:
+                args, kwargs = _cast_floating((args, kwargs), self._input_dtype)
+            return args, kwargs
         if self.ctx.final_callback_queued:
             # The last backward raised before it finished: forget it, keep what earlier
             # backwards accumulated, and start this iteration from a clean state.
@@ -211,10 +219,12 @@ class UnitState:
             ctx.forward_order.append(self)
         self._enter(Phase.FORWARD)
         self.unit.unshard()  # also finishes a prefetch's gather
-        for other in self._forward_prefetch_targets():
-            self.comm.prefetch(other.unit)  # overlaps this unit's compute; waited for there
-            ctx.forward_prefetched.append(other)
-        args, kwargs = self._cast_inputs(args, kwargs)
+        if self.forward_prefetch or self.implicit_forward_prefetch:
+            for other in self._forward_prefetch_targets():
+                self.comm.prefetch(other.unit)  # overlaps this unit's compute; waited for there
+                ctx.forward_prefetched.append(other)
+        if self._input_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self._input_dtype)
         if torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
@@ -225,21 +235,15 @@ class UnitState:
         last, i = self.ctx.last_forward_order, self._forward_index + 1
         return last[i : i + 1] if len(last) > i and last[i - 1] is self else []
 
-    def _cast_inputs(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if not self.mp_policy.cast_forward_inputs or self.mp_policy.param_dtype is None:
-            return args, kwargs
-        return _cast_floating((args, kwargs), self.mp_policy.param_dtype)
-
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if _in_backward():
-            return self._cast_output(output)  # recomputation: see pre_forward
-        self._modules_to_run.discard(module)
-        self._register_pre_backward(output)
-        output = self._cast_output(output)
-        if self._modules_to_run:
-            return output  # a list unit: wait for its other modules
+        in_backward = _current_graph_task_id() != -1  # recomputation: see pre_forward
+        if not in_backward:
+            self._modules_to_run.discard(module)
+            self._register_pre_backward(output)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
+        if in_backward or self._modules_to_run:
+            return output  # recomputation, or a list unit waiting for its other modules
         self._finish_forward()
         if self.ctx.forward_root is self:
             self.ctx.forward_root = None
@@ -264,7 +268,7 @@ class UnitState:
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """If `module`'s forward raised, undo what its pre-hook did; if it was the forward
         enclosing the others, undo the whole iteration's forward."""
-        if _in_backward() or self.phase is not Phase.FORWARD or module not in self._modules_to_run:
+        if self.phase is not Phase.FORWARD or module not in self._modules_to_run or _in_backward():
             return  # post_forward ran, or this is not a forward of ours in progress
         if self.ctx.forward_root is self:
             self.ctx.root.reset_iter_state()
@@ -273,11 +277,6 @@ class UnitState:
             if not self._modules_to_run:
                 self.unit.reshard()
                 self.phase = Phase.IDLE
-
-    def _cast_output(self, output: Any) -> Any:
-        if self.mp_policy.output_dtype is None:
-            return output
-        return _cast_floating(output, self.mp_policy.output_dtype)
 
     def _finish_forward(self) -> None:
         self._enter(Phase.IDLE)
@@ -348,7 +347,8 @@ class UnitState:
 
     def post_backward(self) -> None:
         """Run once the unit's backward is done: every forward's input node has run."""
-        self._pending_post_backward = max(self._pending_post_backward - 1, 0)
+        if self._pending_post_backward > 0:
+            self._pending_post_backward -= 1
         if self._pending_post_backward or self.phase is not Phase.PRE_BACKWARD:
             return
         self._enter(Phase.POST_BACKWARD)
@@ -414,6 +414,9 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
         return hook(*args)
 
     return call
+
+
+_current_graph_task_id = torch._C._current_graph_task_id  # -1 outside backward
 
 
 def _in_backward() -> bool:

@@ -283,19 +283,20 @@ class ShardedParam:
     def _pop_grad(self) -> torch.Tensor | None:
         """This backward's unsharded gradient as a plain tensor (a tensor-parallel one's
         local part, in the parameter's placements); clears it."""
-        grad, self.unsharded.grad = self.unsharded.grad, None
-        if grad is None or self._tp is None:
-            return grad
-        return self._tp.local(grad)
+        grad = self.unsharded.grad
+        if grad is None:
+            return None
+        self.unsharded.grad = None
+        return grad if self._tp is None else self._tp.local(grad)
 
     def take_grad(self) -> torch.Tensor | None:
         """For a reduction: the unsharded gradient summed over the backwards since the last
         one. Takes this backward's gradient; the earlier sum stays until `commit`."""
         grad = self._pop_grad()
-        accumulated = None if self._accumulated_spent else self._accumulated_grad
-        self._accumulated_spent = True  # a second reduction in this backward excludes it
-        if accumulated is None:
+        accumulated = self._accumulated_grad
+        if accumulated is None or self._accumulated_spent:
             return grad
+        self._accumulated_spent = True  # a second reduction in this backward excludes it
         return accumulated if grad is None else accumulated + grad
 
     def hold_reduced(self, padded_grad_shard: torch.Tensor) -> None:

@@ -84,6 +84,7 @@ class Unit:
         self._pending_partials: dict[ShardedParam, torch.Tensor] = {}
         self._spent_partials: set[ShardedParam] = set()
         self._gather_sizes = [p.layout.padded_shard_numel for p in params]
+        self._shard_numel = sum(self._gather_sizes)  # this rank's padded shards, together
         # Where each parameter's shard starts in a reduction of all of them; see _commit_held.
         self._held_offsets = [sum(self._gather_sizes[:i]) for i in range(len(params))]
         # See _lay_out.
@@ -117,7 +118,7 @@ class Unit:
             for parameters, name, sharded, unsharded, local in self._registrations:
                 registered = parameters.get(name)
                 if registered is not unsharded and (
-                    registered is not sharded or local_of(sharded) is not local
+                    registered is not sharded or sharded._local_tensor is not local  # local_of
                 ):
                     break
             else:
@@ -164,9 +165,11 @@ class Unit:
             return
         if self.is_unsharded or not self.params:
             return
+        side = self.streams
         if self._post_forward_kept:  # gather inside the smaller group, from kept pieces
             self._post_forward_kept = False
-            group, sizes = self._post_forward_group, [p.post_forward_numel for p in self.params]
+            group = self._post_forward_group
+            rows, sizes = group.size(), [p.post_forward_numel for p in self.params]
             inputs = [p.post_forward_shard for p in self.params]
             for p in self.params:
                 p.post_forward_shard = None
@@ -176,42 +179,43 @@ class Unit:
             written_on_compute = not self._laid_out
             if written_on_compute:
                 self._lay_out()
-            group, sizes, inputs = self.group, self._gather_sizes, None
-        rows = self.shard_size if group is self.group else group.size()
-        side = self.streams
-        if written_on_compute and side is not None:
-            side.follow_compute()  # the shards or kept pieces may still be being written
-        with _CPU if side is None else side.gathering():
-            if inputs is not None:
-                shards = torch.cat(inputs)
-            elif self.codecs:
-                shards, sizes = self._encode()
-            else:
-                shards = self._flat_shard()
-            if self.custom_all_gather is None:  # row r: rank r's shards
-                gathered = self._gather_buffer.take(
-                    (rows, shards.numel()), shards.dtype, shards.device
-                )
-                flat = self._gather_buffer.flat
-            else:
-                flat = allocate(
-                    self.custom_all_gather, (rows * shards.numel(),), shards.dtype, shards.device
-                )
-                gathered = flat.view(rows, -1)
-            try:
-                work = all_gather(
-                    flat, shards, group, async_op and side is None, self.custom_all_gather
-                )
-            except RuntimeError as error:
-                raise collective_failed(self.label, "all-gather", rows, error) from error
-            if side is not None:
-                work = side.gathered()
-        self._pending_gather = _Gather(
-            gathered, work, rows, sizes, group is not self.group,
-            shards.dtype == torch.uint8 and bool(self.codecs), inputs,
-        )
+            group, rows, sizes, inputs = self.group, self.shard_size, self._gather_sizes, None
+        if side is None:
+            self._pending_gather = self._start_gather(group, rows, sizes, inputs, async_op)
+        else:
+            if written_on_compute:
+                side.follow_compute()  # the shards or kept pieces may still be being written
+            with side.gathering():
+                gather = self._start_gather(group, rows, sizes, inputs, async_op=False)
+                self._pending_gather = gather._replace(work=side.gathered())
         if not async_op:
             self.wait_for_unshard()
+
+    def _start_gather(
+        self, group: ProcessGroup, rows: int, sizes: list[int],
+        inputs: list[torch.Tensor] | None, async_op: bool,
+    ) -> _Gather:
+        """Issue the all-gather of this rank's shards (or of kept pieces, `inputs`)."""
+        encoded = False
+        if inputs is not None:
+            shards = torch.cat(inputs)
+        elif self.codecs:
+            (shards, sizes), encoded = self._encode(), True
+        else:
+            shards = self._flat_shard()
+        if self.custom_all_gather is None:  # row r: rank r's shards
+            gathered = self._gather_buffer.take((rows, shards.numel()), shards.dtype, self.device)
+            flat = self._gather_buffer.flat
+        else:
+            flat = allocate(
+                self.custom_all_gather, (rows * shards.numel(),), shards.dtype, shards.device
+            )
+            gathered = flat.view(rows, -1)
+        try:
+            work = all_gather(flat, shards, group, async_op, self.custom_all_gather)
+        except RuntimeError as error:
+            raise collective_failed(self.label, "all-gather", rows, error) from error
+        return _Gather(gathered, work, rows, sizes, inputs is not None, encoded, inputs)
 
     def _lay_out(self) -> None:
         """Put the padded shards into one flat tensor, which the all-gather sends without
@@ -226,7 +230,7 @@ class Unit:
             # Parameters outlive an inference_mode forward that may get here first.
             with torch.inference_mode(False), torch.no_grad():
                 flat = torch.empty(
-                    sum(self._gather_sizes), dtype=first.dtype, device=first.device,
+                    self._shard_numel, dtype=first.dtype, device=first.device,
                     pin_memory=first.is_pinned(),
                 )
                 for p, piece in zip(params, flat.split(self._gather_sizes)):
@@ -237,7 +241,7 @@ class Unit:
             with torch.inference_mode(False):
                 rows = self.shard_size
                 unsharded = torch.empty(
-                    rows * sum(self._gather_sizes), dtype=self.param_dtype, device=self.device
+                    rows * self._shard_numel, dtype=self.param_dtype, device=self.device
                 )
                 pieces = unsharded.split([rows * n for n in self._gather_sizes])
                 for p, piece in zip(params, pieces):
@@ -333,7 +337,8 @@ class Unit:
     def reshard(self, keep_post_forward: bool = False) -> None:
         """Register the sharded parameters again and free the unsharded data; with
         `keep_post_forward` and a post-forward mesh, keep each parameter's piece for it."""
-        self.wait_for_unshard()  # an all-gather in flight must land before its buffers go
+        if self._pending_gather is not None:
+            self.wait_for_unshard()  # an all-gather in flight must land before its buffers go
         keep = keep_post_forward and self._post_forward_group is not None
         if not self.is_unsharded:
             if not keep and self._post_forward_kept:
@@ -387,50 +392,72 @@ class Unit:
         in single-process training; which ones did must agree across ranks, as it does
         whenever every rank runs the same code path.
         """
-        self.finish_reduction()  # this unit's reduction of an earlier part of the backward
-        with_grad = [
-            (p, g if g is not None else self._zeros(p))
-            for p in self.params
-            if (g := p.take_grad()) is not None
-            or self._partial_grad_exists(p)
-            or (self.reduce_scatter_unused_params and p.sharded.requires_grad)
-        ]
-        if not with_grad:
+        if self._pending_reduction is not None:
+            self.finish_reduction()  # this unit's reduction of an earlier part of the backward
+        params, grads = self._grads_to_reduce()
+        if not params:
             return False
-        if len(with_grad) == len(self.params):
-            sizes = self._gather_sizes
+        if len(params) == len(self.params):
+            sizes, numel = self._gather_sizes, self._shard_numel
         else:
-            sizes = [p.layout.padded_shard_numel for p, _ in with_grad]
-        shape, device = (self.shard_size, sum(sizes)), with_grad[0][1].device
-        if self.custom_reduce_scatter is None:  # row r: what rank r keeps, param after param
-            grads = self._reduce_buffer.take(shape, self.reduce_dtype, device)
+            sizes = [p.layout.padded_shard_numel for p in params]
+            numel = sum(sizes)
+        shape, custom = (self.shard_size, numel), self.custom_reduce_scatter
+        if custom is None:  # row r: what rank r keeps, param after param
+            rows = self._reduce_buffer.take(shape, self.reduce_dtype, self.device)
             flat = self._reduce_buffer.flat
         else:
-            grads = allocate(self.custom_reduce_scatter, shape, self.reduce_dtype, device)
-            flat = grads.view(-1)
+            rows = allocate(custom, shape, self.reduce_dtype, self.device)
+            flat = rows.view(-1)
         # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
         # pads them to the shard layout and casts to reduce_dtype.
-        torch._chunk_cat([g for _, g in with_grad], dim=0, num_chunks=self.shard_size, out=grads)
+        torch._chunk_cat(grads, dim=0, num_chunks=self.shard_size, out=rows)
         replicas = self.replicate_group.size() if self.replicate_group is not None else 1
         reduction = grad_reduction(
             self.shard_size, replicas, self.reduce_dtype, self.gradient_divide_factor,
             self.force_sum_reduction,
         )
         side = self.streams
-        with _CPU if side is None else side.reducing():
-            reduced = allocate(self.custom_reduce_scatter, (sum(sizes),), grads.dtype, grads.device)
-            try:
-                work = reduce_scatter(
-                    reduced, flat, self.reduce_scatter_group, reduction,
-                    self.custom_reduce_scatter, async_op=side is None,
-                )
-            except RuntimeError as error:
-                raise collective_failed(self.label, "reduce-scatter", self.shard_size, error) from error
-            if side is not None:
+        if side is None:
+            reduced, work = self._reduce_scatter(flat, numel, reduction, async_op=True)
+        else:
+            with side.reducing():
+                reduced, _ = self._reduce_scatter(flat, numel, reduction, async_op=False)
                 work = side.reduced()
-        params = [p for p, _ in with_grad]
-        self._pending_reduction = _Reduction(work, grads, reduced, params, sizes, reduction)
+        self._pending_reduction = _Reduction(work, rows, reduced, params, sizes, reduction)
         return True
+
+    def _grads_to_reduce(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
+        """The parameters that take part in a reduction, and their unsharded gradients."""
+        params, grads = [], []
+        for p in self.params:
+            if (grad := p.take_grad()) is None:
+                if not (
+                    self._partial_grad_exists(p)
+                    or (self.reduce_scatter_unused_params and p.sharded.requires_grad)
+                ):
+                    continue
+                grad = self._zeros(p)
+            params.append(p)
+            grads.append(grad)
+        return params, grads
+
+    def _reduce_scatter(
+        self, flat: torch.Tensor, numel: int, reduction: GradReduction, async_op: bool
+    ) -> tuple[torch.Tensor, Work | None]:
+        """Reduce-scatter `flat` (row r: rank r's `numel` values) into a new tensor."""
+        custom = self.custom_reduce_scatter
+        if custom is None:
+            reduced = flat.new_empty(numel)  # cheaper than torch.empty with dtype and device
+        else:
+            reduced = allocate(custom, (numel,), flat.dtype, flat.device)
+        try:
+            work = reduce_scatter(
+                reduced, flat, self.reduce_scatter_group, reduction, custom, async_op=async_op
+            )
+        except RuntimeError as error:
+            raise collective_failed(self.label, "reduce-scatter", self.shard_size, error) from error
+        return reduced, work
 
     def finish_reduction(self) -> None:
         """Wait for the reduce-scatter `reduce_grads` started; all-reduce across replicas
