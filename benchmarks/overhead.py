@@ -3,10 +3,12 @@
     python benchmarks/overhead.py                # W=8 fake ranks, 64 Linear(64, 64) units
     python benchmarks/overhead.py --backend gloo # one real gloo rank: no communication
 
-With the fake process group collectives cost next to nothing (a call into torch.distributed
-each), so a training step's time minus the same model's unsharded step, divided by the
-number of units, is the runtime's own CPU time per unit per forward + backward. On a
-one-rank gloo group both runtimes skip communication altogether. Both contenders run
+With the fake process group nothing is sent, so a training step's time minus the same
+model's unsharded step, divided by the number of units, is CPU time per unit per forward +
+backward. Part of it is the fake group's own: it still copies every rank's shard into the
+gathered output and chunks the reduce-scatter's input. Further rounds time the calls into
+the process group, for both runtimes, and report what remains as the runtime's own. On a
+one-rank gloo group both runtimes skip communication altogether. The contenders run
 interleaved, in one process.
 """
 
@@ -19,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -42,6 +45,44 @@ def step_seconds(model: nn.Module, x: torch.Tensor, steps: int) -> float:
     for _ in range(steps):
         model(x).sum().backward()
     return (time.perf_counter() - start) / steps
+
+
+class CollectiveClock:
+    """While installed, the seconds and calls spent inside the process group's all-gathers
+    and reduce-scatters (both runtimes call these two methods, one per unit and pass)."""
+
+    _METHODS = ("all_gather_single", "reduce_scatter_single")
+
+    def __init__(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+        self._originals = {name: getattr(ProcessGroup, name) for name in self._METHODS}
+
+    def __enter__(self) -> CollectiveClock:
+        for name, original in self._originals.items():
+            setattr(ProcessGroup, name, self._timed(original))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._originals.items():
+            setattr(ProcessGroup, name, original)
+
+    def _timed(self, original):
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return original(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+
+        return timed
+
+
+def collective_seconds(model: nn.Module, x: torch.Tensor, steps: int) -> tuple[float, float]:
+    """Per step: seconds inside the process group's collectives, and how many calls."""
+    with CollectiveClock() as clock:
+        step_seconds(model, x, steps)
+    return clock.seconds / steps, clock.calls / steps
 
 
 def main() -> None:
@@ -71,14 +112,23 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved, so drift hits every contender alike
         for name, model in models.items():
             times[name].append(step_seconds(model, x, args.steps))
+    inside: dict[str, list[float]] = {name: [] for name in models}
+    calls: dict[str, float] = {}
+    for _ in range(args.repeats):  # apart: the clock's own cost stays out of the step times
+        for name, model in models.items():
+            seconds, calls[name] = collective_seconds(model, x, args.steps)
+            inside[name].append(seconds)
     floor = statistics.median(times["unsharded"])
     print(f"torch {torch.__version__}  {args.backend}  world={dist.get_world_size()}  {args.units} x "
           f"Linear({args.dim}, {args.dim})  batch {args.batch}  median of {args.repeats}")
-    print(f"{'variant':<20}{'step ms':>10}{'us / unit':>12}")
+    print(f"{'variant':<20}{'step ms':>10}{'us / unit':>12}{'collectives':>14}{'runtime':>10}"
+          f"{'calls / unit':>14}")
     for name, samples in times.items():
         median = statistics.median(samples)
         per_unit = (median - floor) / args.units * 1e6
-        print(f"{name:<20}{median * 1e3:>10.2f}{per_unit:>12.1f}")
+        in_collectives = statistics.median(inside[name]) / args.units * 1e6
+        print(f"{name:<20}{median * 1e3:>10.2f}{per_unit:>12.1f}{in_collectives:>14.1f}"
+              f"{per_unit - in_collectives:>10.1f}{calls[name] / args.units:>14.2f}")
     dist.destroy_process_group()
 
 

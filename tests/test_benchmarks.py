@@ -40,9 +40,17 @@ def test_overhead_benchmark_reports_both_runtimes():
          "--steps", "5", "--repeats", "3"],
         check=True, cwd=ROOT, capture_output=True, text=True, timeout=300,
     ).stdout
-    per_unit = dict(re.findall(r"^(torch fully_shard|fsdp_compose)\s+\S+\s+(\S+)$", output, re.M))
-    assert sorted(per_unit) == ["fsdp_compose", "torch fully_shard"], output
-    assert all(float(v) == float(v) for v in per_unit.values()), output  # numbers, not NaN
+    rows = {
+        name: [float(v) for v in values.split()]
+        for name, values in re.findall(r"^(torch fully_shard|fsdp_compose)((?:\s+\S+){5})$",
+                                       output, re.M)
+    }
+    assert sorted(rows) == ["fsdp_compose", "torch fully_shard"], output
+    for step_ms, per_unit, in_collectives, runtime, calls in rows.values():
+        assert step_ms > 0 and in_collectives > 0, output
+        assert abs(per_unit - in_collectives - runtime) <= 0.11, output  # printed rounded
+        # One all-gather in forward, one in backward, one reduce-scatter, per unit.
+        assert calls == 3.0, output
 
 
 def test_hidden_fraction_counts_side_stream_time_under_compute():
