@@ -14,7 +14,7 @@ class ReusedBuffer:
     memory what fresh buffers would take.
     """
 
-    __slots__ = ("_tensor", "_storage", "_nbytes", "_spec", "flat")
+    __slots__ = ("_nbytes", "_spec", "_storage", "_tensor", "flat")
 
     def __init__(self) -> None:
         self._tensor: torch.Tensor | None = None

@@ -416,12 +416,14 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-_current_graph_task_id = torch._C._current_graph_task_id  # -1 outside backward
+# The autograd engine's graph task on this thread, -1 outside backward (the hot hooks call
+# it directly, a function call less).
+_current_graph_task_id = torch._C._current_graph_task_id
 
 
 def _in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread."""
-    return torch._C._current_graph_task_id() != -1
+    return _current_graph_task_id() != -1
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

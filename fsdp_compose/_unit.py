@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -16,10 +15,8 @@ from ._collectives import (
     grad_reduction, reduce_scatter,
 )
 from ._codec import AllGatherCodec
-from ._param import Registration, ShardedParam, local_of
+from ._param import Registration, ShardedParam
 from ._streams import side_streams
-
-_CPU = nullcontext()  # no side streams: collectives are gloo's async work (reusable, cheap)
 
 
 class _Gather(NamedTuple):
@@ -118,7 +115,8 @@ class Unit:
             for parameters, name, sharded, unsharded, local in self._registrations:
                 registered = parameters.get(name)
                 if registered is not unsharded and (
-                    registered is not sharded or sharded._local_tensor is not local  # local_of
+                    # The local tensor read directly: _param.local_of, without the call.
+                    registered is not sharded or sharded._local_tensor is not local
                 ):
                     break
             else:
@@ -207,9 +205,7 @@ class Unit:
             gathered = self._gather_buffer.take((rows, shards.numel()), shards.dtype, self.device)
             flat = self._gather_buffer.flat
         else:
-            flat = allocate(
-                self.custom_all_gather, (rows * shards.numel(),), shards.dtype, shards.device
-            )
+            flat = allocate(self.custom_all_gather, (rows * shards.numel(),), shards.dtype, self.device)
             gathered = flat.view(rows, -1)
         try:
             work = all_gather(flat, shards, group, async_op, self.custom_all_gather)

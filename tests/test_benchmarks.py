@@ -43,7 +43,7 @@ def test_overhead_benchmark_reports_both_runtimes():
     rows = {
         name: [float(v) for v in values.split()]
         for name, values in re.findall(r"^(torch fully_shard|fsdp_compose)((?:\s+\S+){5})$",
-                                       output, re.M)
+                                       output, re.MULTILINE)
     }
     assert sorted(rows) == ["fsdp_compose", "torch fully_shard"], output
     for step_ms, per_unit, in_collectives, runtime, calls in rows.values():
