@@ -94,10 +94,7 @@ def all_gather(
         if output.is_complex():  # sent as real pairs, as torch.distributed sends them
             output, shard = torch.view_as_real(output), torch.view_as_real(shard)
         work = group.all_gather_single(output, shard, _all_gather_options(async_op))
-    if async_op or work is None:
-        return work
-    work.wait()
-    return None
+    return _finished_unless_async(work, async_op)
 
 
 def reduce_scatter(
@@ -121,6 +118,11 @@ def reduce_scatter(
         work = group.reduce_scatter_single(
             output, input, _reduce_scatter_options(reduction.op, async_op)
         )
+    return _finished_unless_async(work, async_op)
+
+
+def _finished_unless_async(work: dist.Work | None, async_op: bool) -> dist.Work | None:
+    """`work` to wait for later with `async_op`; else waited for now (None: done)."""
     if async_op or work is None:
         return work
     work.wait()

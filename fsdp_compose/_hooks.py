@@ -191,12 +191,12 @@ class UnitState:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.ctx is None:
             self.lazy_init()
+        if self._input_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self._input_dtype)
         if _current_graph_task_id() != -1:  # in backward
             # Activation checkpointing re-runs forward inside backward: only make sure the
             # parameters are there; the pre-backward hook owns this unit's schedule.
             self.unit.unshard()
-            if self._input_dtype is not None:
-                args, kwargs = _cast_floating((args, kwargs), self._input_dtype)
             return args, kwargs
         if self.ctx.final_callback_queued:
             # The last backward raised before it finished: forget it, keep what earlier
@@ -223,8 +223,6 @@ class UnitState:
             for other in self._forward_prefetch_targets():
                 self.comm.prefetch(other.unit)  # overlaps this unit's compute; waited for there
                 ctx.forward_prefetched.append(other)
-        if self._input_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), self._input_dtype)
         if torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs

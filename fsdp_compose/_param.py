@@ -106,7 +106,7 @@ class ShardedParam:
             torch.utils.swap_tensors(keep, sharded)
             sharded = keep
         self.sharded = sharded
-        self._local = local_of(sharded)  # a detached alias of the view: Parameter() detaches
+        self._local = _local_of(sharded)  # a detached alias of the view: Parameter() detaches
         self.param_dtype = self._mp_policy.param_dtype or local.dtype
         self.reduce_dtype = self._mp_policy.reduce_dtype or self.param_dtype
         self._allocate_unsharded_buffer(local.device if on_meta else self._device)
@@ -121,7 +121,7 @@ class ShardedParam:
         sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.sharded.requires_grad)
         torch.utils.swap_tensors(self.sharded, sharded)
         self.sharded.grad = grad
-        self._local = local_of(self.sharded)
+        self._local = _local_of(self.sharded)
 
     def _allocate_unsharded_buffer(self, device: torch.device) -> None:
         buffer = torch.empty(
@@ -185,7 +185,7 @@ class ShardedParam:
         registered = module._parameters.get(attr)
         if registered is self.unsharded:
             return False
-        if registered is self.sharded and local_of(registered) is self._local:
+        if registered is self.sharded and _local_of(registered) is self._local:
             return False
         if isinstance(registered, DTensor):
             if (registered.device_mesh, tuple(registered.placements), registered.shape) != (
@@ -198,7 +198,7 @@ class ShardedParam:
                     f"{self._spec[1]} on {self._spec[0]}. Assign a tensor of the original "
                     "shape (whole or sharded like the original)."
                 )
-            self._store_shard(local_of(registered), registered.requires_grad, keep=registered)
+            self._store_shard(_local_of(registered), registered.requires_grad, keep=registered)
         elif isinstance(registered, torch.Tensor) and registered.shape == self.shape:
             self._store_shard(self.shard_of(registered).to_local(), registered.requires_grad)
         else:
@@ -338,10 +338,10 @@ class ShardedParam:
             # for every parameter after every backward.
             self.sharded.grad = DTensor(local, self.sharded._spec, requires_grad=False)
         else:
-            local_of(self.sharded.grad).add_(local)
+            _local_of(self.sharded.grad).add_(local)
 
 
-def local_of(dtensor: DTensor) -> torch.Tensor:
+def _local_of(dtensor: DTensor) -> torch.Tensor:
     # The local tensor itself: to_local() of a Parameter returns a fresh view, and identity
     # is how we tell our shard from one that replaced it.
     return dtensor._local_tensor

@@ -115,7 +115,7 @@ class Unit:
             for parameters, name, sharded, unsharded, local in self._registrations:
                 registered = parameters.get(name)
                 if registered is not unsharded and (
-                    # The local tensor read directly: _param.local_of, without the call.
+                    # The local tensor read directly: _param._local_of, without the call.
                     registered is not sharded or sharded._local_tensor is not local
                 ):
                     break
