@@ -68,6 +68,7 @@ class FSDPModule:
         """All-gather this unit's parameters now. With `async_op=True`, return a handle whose
         `wait()` finishes the unshard; the next forward waits for it too."""
         unit = self._state().unit
+        unit.adopt_registered()  # the caller may have changed the parameters
         if unit.streams is not None:
             unit.streams.follow_compute()  # the caller may have just changed the shards
         unit.unshard(async_op=async_op)

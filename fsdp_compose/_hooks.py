@@ -207,6 +207,8 @@ class UnitState:
             self._modules_to_run = set(self.modules)
             if ctx.forward_root is None:
                 ctx.forward_root = self
+                for state in ctx.states:  # what changed since the last iteration
+                    state.unit.adopt_registered()
                 event, ctx.root.post_optim_event = ctx.root.post_optim_event, None
                 if (side := self.unit.streams) is not None:
                     side.follow_compute(event)  # gathers see the optimizer's step

@@ -110,7 +110,9 @@ class Unit:
         return self.params[0].reduce_dtype
 
     def adopt_registered(self) -> None:
-        """Take back parameters changed behind our back; see ShardedParam.adopt_registered."""
+        """Take back parameters changed behind our back (see ShardedParam.adopt_registered)
+        and follow parameters frozen or unfrozen since. Parameters change between
+        iterations: forward calls this once per iteration, not at every gather."""
         if self._laid_out:
             for parameters, name, sharded, unsharded, local in self._registrations:
                 registered = parameters.get(name)
@@ -119,6 +121,8 @@ class Unit:
                     registered is not sharded or sharded._local_tensor is not local
                 ):
                     break
+                if unsharded.requires_grad is not sharded.requires_grad:  # (un)frozen since
+                    unsharded.requires_grad_(sharded.requires_grad)
             else:
                 return  # all as the last layout left them
         for p in self.params:
@@ -130,9 +134,7 @@ class Unit:
             for p in self.params:
                 p.to_unsharded()
             return
-        for parameters, name, sharded, unsharded, _ in self._registrations:
-            if unsharded.requires_grad is not sharded.requires_grad:  # (un)frozen since
-                unsharded.requires_grad_(sharded.requires_grad)
+        for parameters, name, _, unsharded, _ in self._registrations:
             parameters[name] = unsharded
 
     def _register_sharded(self) -> None:
@@ -173,7 +175,6 @@ class Unit:
                 p.post_forward_shard = None
             written_on_compute = True
         else:
-            self.adopt_registered()
             written_on_compute = not self._laid_out
             if written_on_compute:
                 self._lay_out()
