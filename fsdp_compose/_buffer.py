@@ -25,18 +25,19 @@ class ReusedBuffer:
         self.flat: torch.Tensor | None = None  # the taken tensor, 1-D (a view, made once)
 
     def take(
-        self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+        self, spec: tuple[tuple[int, int], torch.dtype, torch.device]
     ) -> torch.Tensor:
-        """A contiguous tensor of `shape` (rows of a collective), uninitialised, until
-        `release`. Its shape is kept with it, which spares a view per use."""
-        spec = self._spec
-        if spec is None or shape != spec[0] or dtype is not spec[1] or device != spec[2]:
+        """A contiguous tensor of `spec` (shape: rows of a collective; dtype; device),
+        uninitialised, until `release`. Callers pass the same spec object each time when
+        they can: it is checked by identity first, which costs less than comparing."""
+        if spec is not self._spec and spec != self._spec:
+            shape, dtype, device = spec
             # Not an inference tensor, whichever mode the first use runs in.
             with torch.inference_mode(False):
                 tensor = self._tensor = torch.empty(shape, dtype=dtype, device=device)
             self.flat = tensor.view(-1)
             self._storage, self._nbytes = tensor.untyped_storage(), tensor.nbytes
-            self._spec = (shape, dtype, device)
+            self._spec = spec
             return tensor
         self._storage.resize_(self._nbytes)
         return self._tensor

@@ -79,42 +79,44 @@ def allocate(
 
 
 def all_gather(
-    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool,
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, ranks: int, async_op: bool,
     custom: CustomComm | None = None,
 ) -> dist.Work | None:
-    """Gather every rank's equal-sized flat `shard` into `output`, rank after rank."""
+    """Gather every rank's equal-sized flat `shard` into `output`, rank after rank, over
+    `group` of `ranks` ranks.
+
+    The caller passes what it knows already (group size; complex tensors as real pairs,
+    as torch.distributed sends them): asking the group or the tensors costs more, per
+    call, than the rest of a unit's unshard.
+    """
     if custom is not None:
         work = custom(output, shard, group, async_op=async_op)
-    elif group.size() == 1:
+    elif ranks == 1:
         output.copy_(shard)  # replicate-only units and single-rank meshes send nothing
         return None
     else:
         # The process group's own method, which dist.all_gather_single calls after checks
         # that cost more than the rest of a unit's unshard (our tensors are flat and ours).
-        if output.is_complex():  # sent as real pairs, as torch.distributed sends them
-            output, shard = torch.view_as_real(output), torch.view_as_real(shard)
         work = group.all_gather_single(output, shard, _all_gather_options(async_op))
     return _finished_unless_async(work, async_op)
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, reduction: GradReduction,
-    custom: CustomComm | None = None, async_op: bool = True,
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, ranks: int,
+    reduction: GradReduction, custom: CustomComm | None = None, async_op: bool = True,
 ) -> dist.Work | None:
-    """Reduce `input` (flat, block r: the values for rank r) across `group`; rank r keeps
-    block r in `output`. Applies the pre-scale; the post-divide is the caller's, after any
-    all-reduce. With `async_op`, returns the Work to wait for (None: done)."""
+    """Reduce `input` (flat, block r: the values for rank r) across `group` of `ranks`
+    ranks; rank r keeps block r in `output`. Applies the pre-scale; the post-divide is the
+    caller's, after any all-reduce. With `async_op`, returns the Work to wait for (None:
+    done). Arguments as in all_gather."""
     if reduction.pre_scale is not None:
         input.mul_(reduction.pre_scale)
     if custom is not None:
         work = custom(output, input, group, reduction.op, async_op=async_op)
-    elif group.size() == 1:
+    elif ranks == 1:
         output.copy_(input)
         return None
     else:
-        # As in all_gather: the group's own method, complex tensors as real pairs.
-        if output.is_complex():
-            output, input = torch.view_as_real(output), torch.view_as_real(input)
         work = group.reduce_scatter_single(
             output, input, _reduce_scatter_options(reduction.op, async_op)
         )

@@ -88,6 +88,11 @@ class Unit:
         self._laid_out = False
         self._flat: torch.Tensor | None = None
         self._flat_needs_cast = False  # to param_dtype, or to the device (CPU offload)
+        self._complex = False  # whether the collectives send real pairs
+        # The buffer specs (shape, dtype, device) of a gather of the flat shard and of a
+        # reduction of every parameter's gradient, made once: see ReusedBuffer.take.
+        self._gather_spec: tuple[tuple[int, int], torch.dtype, torch.device] | None = None
+        self._reduce_spec: tuple[tuple[int, int], torch.dtype, torch.device] | None = None
         self._unsharded_storages: list[tuple[torch.UntypedStorage, int]] = []
         self._gather_targets: list[torch.Tensor] = []
         self._registrations: list[Registration] = []
@@ -195,21 +200,25 @@ class Unit:
         inputs: list[torch.Tensor] | None, async_op: bool,
     ) -> _Gather:
         """Issue the all-gather of this rank's shards (or of kept pieces, `inputs`)."""
-        encoded = False
+        encoded, spec = False, None
         if inputs is not None:
             shards = torch.cat(inputs)
         elif self.codecs:
             (shards, sizes), encoded = self._encode(), True
         else:
-            shards = self._flat_shard()
+            shards, spec = self._flat_shard(), self._gather_spec
+        if spec is None:
+            spec = ((rows, shards.numel()), shards.dtype, self.device)
         if self.custom_all_gather is None:  # row r: rank r's shards
-            gathered = self._gather_buffer.take((rows, shards.numel()), shards.dtype, self.device)
+            gathered = self._gather_buffer.take(spec)
             flat = self._gather_buffer.flat
         else:
-            flat = allocate(self.custom_all_gather, (rows * shards.numel(),), shards.dtype, self.device)
+            flat = allocate(self.custom_all_gather, (rows * spec[0][1],), spec[1], self.device)
             gathered = flat.view(rows, -1)
+        if self._complex and not encoded:  # sent as real pairs, as torch.distributed sends them
+            flat, shards = torch.view_as_real(flat), torch.view_as_real(shards)
         try:
-            work = all_gather(flat, shards, group, async_op, self.custom_all_gather)
+            work = all_gather(flat, shards, group, rows, async_op, self.custom_all_gather)
         except RuntimeError as error:
             raise collective_failed(self.label, "all-gather", rows, error) from error
         return _Gather(gathered, work, rows, sizes, inputs is not None, encoded, inputs)
@@ -221,7 +230,7 @@ class Unit:
         their own (their shards are copied in at each gather)."""
         params = self.params
         first = params[0].padded_shard
-        self._flat, self._flat_needs_cast = None, False
+        self._flat, self._flat_needs_cast, self._gather_spec = None, False, None
         if all(p.padded_shard.dtype == first.dtype and p.padded_shard.device == first.device
                for p in params):
             # Parameters outlive an inference_mode forward that may get here first.
@@ -234,9 +243,13 @@ class Unit:
                     p.move_shard_into(piece)
             self._flat = flat
             self._flat_needs_cast = flat.dtype != self.param_dtype or flat.device != self.device
+        rows, dtype, device = self.shard_size, self.param_dtype, self.device
+        if self._flat is not None:
+            self._gather_spec = ((rows, self._shard_numel), dtype, device)
+        self._reduce_spec = ((rows, self._shard_numel), self.reduce_dtype, device)
+        self._complex = dtype.is_complex
         if all(p.param_dtype == self.param_dtype for p in params):
             with torch.inference_mode(False):
-                rows = self.shard_size
                 unsharded = torch.empty(
                     rows * self._shard_numel, dtype=self.param_dtype, device=self.device
                 )
@@ -395,16 +408,17 @@ class Unit:
         if not params:
             return False
         if len(params) == len(self.params):
-            sizes, numel = self._gather_sizes, self._shard_numel
+            sizes, numel, spec = self._gather_sizes, self._shard_numel, self._reduce_spec
         else:
             sizes = [p.layout.padded_shard_numel for p in params]
             numel = sum(sizes)
-        shape, custom = (self.shard_size, numel), self.custom_reduce_scatter
+            spec = ((self.shard_size, numel), self.reduce_dtype, self.device)
+        custom = self.custom_reduce_scatter
         if custom is None:  # row r: what rank r keeps, param after param
-            rows = self._reduce_buffer.take(shape, self.reduce_dtype, self.device)
+            rows = self._reduce_buffer.take(spec)
             flat = self._reduce_buffer.flat
         else:
-            rows = allocate(custom, shape, self.reduce_dtype, self.device)
+            rows = allocate(custom, *spec)
             flat = rows.view(-1)
         # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
         # pads them to the shard layout and casts to reduce_dtype.
@@ -448,9 +462,13 @@ class Unit:
             reduced = flat.new_empty(numel)  # cheaper than torch.empty with dtype and device
         else:
             reduced = allocate(custom, (numel,), flat.dtype, flat.device)
+        output, input = reduced, flat
+        if self._complex:  # sent as real pairs, as torch.distributed sends them
+            output, input = torch.view_as_real(reduced), torch.view_as_real(flat)
         try:
             work = reduce_scatter(
-                reduced, flat, self.reduce_scatter_group, reduction, custom, async_op=async_op
+                output, input, self.reduce_scatter_group, self.shard_size, reduction, custom,
+                async_op=async_op,
             )
         except RuntimeError as error:
             raise collective_failed(self.label, "reduce-scatter", self.shard_size, error) from error

@@ -55,6 +55,33 @@ def test_frozen_and_trainable_params_in_one_unit(ranks):
     ranks.run(check_frozen_and_trainable_params, world_size=2)
 
 
+class ComplexMLP(nn.Module):
+    """Complex parameters: the collectives send them as real pairs."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim, dtype=torch.cfloat) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.cfloat)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def complex_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(x) - x).abs().pow(2).mean()
+
+
+def check_complex_params() -> None:
+    errors = train_and_compare(ComplexMLP, complex_loss, feature_batch)
+    assert errors.vs_torch == 0.0, errors
+
+
+def test_complex_params(ranks):
+    ranks.run(check_complex_params, world_size=2)
+
+
 def check_tied_weights() -> None:
     train_and_compare(lambda: Transformer(tie_weights=True), lm_loss, token_batch)
 

@@ -77,10 +77,10 @@ class LoggedBuffer(ReusedBuffer):
         super().release()
 
 
-def logged_all_gather(output, shard, group, async_op, custom=None):
+def logged_all_gather(output, shard, group, ranks, async_op, custom=None):
     LOG.append("all_gather")
     assert not async_op, "on side streams the collectives are issued synchronously"
-    return all_gather(output, shard, group, async_op, custom)
+    return all_gather(output, shard, group, ranks, async_op, custom)
 
 
 def logged_reduce_scatter(*args, async_op=True):
