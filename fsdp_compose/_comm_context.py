@@ -29,10 +29,12 @@ class CommContext:
         """Start `unit`'s all-gather without waiting; its unshard() finishes it."""
         if unit.is_unsharded or unit.gather_in_flight or not unit.params:
             return
-        # Gathers finished since (their unit ran) no longer count.
-        self._gathers = [u for u in self._gathers if u.gather_in_flight]
-        while len(self._gathers) >= self.max_all_gathers:
-            self._gathers.pop(0).wait_for_unshard()
+        gathers = self._gathers
+        if len(gathers) >= self.max_all_gathers:
+            # Gathers finished since (their unit ran) no longer count.
+            gathers[:] = [u for u in gathers if u.gather_in_flight]
+            while len(gathers) >= self.max_all_gathers:
+                gathers.pop(0).wait_for_unshard()
         unit.unshard(async_op=True)
         self._gathers.append(unit)
 

@@ -64,10 +64,11 @@ class IterContext:
     forward_root: UnitState | None = None  # the unit whose forward encloses the others'
     final_callback_queued: bool = False
     # This iteration's units in the order their forwards began (implicit forward prefetch
-    # follows the last iteration's) and ended (backward prefetch walks it backwards).
+    # follows the last iteration's), and the unit whose forward ended last (backward
+    # prefetches it from the unit whose forward ended next).
     forward_order: list[UnitState] = field(default_factory=list)
     last_forward_order: list[UnitState] = field(default_factory=list)
-    post_forward_order: list[UnitState] = field(default_factory=list)
+    last_post_forward: UnitState | None = None
     # Units prefetched in this forward: any that did not run are resharded at its end.
     forward_prefetched: list[UnitState] = field(default_factory=list)
 
@@ -100,8 +101,8 @@ class UnitState:
     backward_prefetch: list[UnitState] | None = None
     implicit_forward_prefetch: bool = False
     post_optim_event: Any = None  # a torch.Event the next forward's gathers wait for
-    _forward_index: int = -1  # in ctx.forward_order / ctx.post_forward_order
-    _post_forward_index: int = -1
+    _forward_index: int = -1  # in ctx.forward_order
+    _ended_forward_before: tuple[UnitState, ...] = ()  # implicit backward prefetch
     _modules_to_run: set[nn.Module] = field(default_factory=set)
     _pending_post_backward: int = 0  # input nodes whose backward has not run yet
 
@@ -216,7 +217,7 @@ class UnitState:
                     event.wait()  # the current stream, which gathers, waits for the optimizer
                 if ctx.forward_order:
                     ctx.last_forward_order = ctx.forward_order
-                ctx.forward_order, ctx.post_forward_order = [], []
+                ctx.forward_order, ctx.last_post_forward = [], None
             self._forward_index = len(ctx.forward_order)
             ctx.forward_order.append(self)
         self._enter(Phase.FORWARD)
@@ -280,8 +281,10 @@ class UnitState:
 
     def _finish_forward(self) -> None:
         self._enter(Phase.IDLE)
-        self._post_forward_index = len(self.ctx.post_forward_order)
-        self.ctx.post_forward_order.append(self)
+        ctx = self.ctx
+        before = ctx.last_post_forward
+        self._ended_forward_before = () if before is None else (before,)
+        ctx.last_post_forward = self
         if not torch.is_grad_enabled():
             self.unit.reshard()  # no backward can follow a forward without grad
         elif self.reshard_after_forward:
@@ -331,16 +334,11 @@ class UnitState:
             self._queue_final_callback()
         if self.unshard_in_backward:
             self.unit.unshard()  # also finishes a prefetch's gather
-        for other in self._backward_prefetch_targets():
+        targets = self.backward_prefetch
+        for other in self._ended_forward_before if targets is None else targets:
             # Not one whose backward is done already (gathered again for nothing).
             if other.unshard_in_backward and other.phase is not Phase.POST_BACKWARD:
                 self.comm.prefetch(other.unit)  # overlaps this unit's gradient computation
-
-    def _backward_prefetch_targets(self) -> list[UnitState]:
-        if self.backward_prefetch is not None:
-            return self.backward_prefetch
-        order, i = self.ctx.post_forward_order, self._post_forward_index
-        return order[i - 1 : i] if 0 < i < len(order) and order[i] is self else []
 
     def _after_input_grad(self, grad_inputs: Any, grad_outputs: Any) -> None:
         self.post_backward()
