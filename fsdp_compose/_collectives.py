@@ -25,6 +25,17 @@ class GradReduction(NamedTuple):
     op: ReduceOp.RedOpType
     all_reduce_op: ReduceOp.RedOpType
     post_divide: float | None
+    # The process group's options for `op`, synchronous and asynchronous, built once:
+    # hashing a ReduceOp to look them up per call costs more than the rest of the call.
+    scatter_options: tuple[dist.ReduceScatterOptions, dist.ReduceScatterOptions] = ()
+
+
+def _reduction(
+    pre_scale: float | None, op: ReduceOp.RedOpType, all_reduce_op: ReduceOp.RedOpType,
+    post_divide: float | None,
+) -> GradReduction:
+    options = tuple(_reduce_scatter_options(op, async_op) for async_op in (False, True))
+    return GradReduction(pre_scale, op, all_reduce_op, post_divide, options)
 
 
 @functools.cache  # a unit asks at every reduction, with the same arguments
@@ -48,17 +59,17 @@ def grad_reduction(
         if divide_factor is None:
             # A group of one has nothing to average; some backends mishandle AVG there.
             op = sum_ if ranks == 1 else ReduceOp.AVG
-            return GradReduction(None, op, op, None)
+            return _reduction(None, op, op, None)
         if factor == shard_size:
-            return GradReduction(None, ReduceOp.AVG, sum_, None)
-        return GradReduction(1.0 / factor, sum_, sum_, None)
+            return _reduction(None, ReduceOp.AVG, sum_, None)
+        return _reduction(1.0 / factor, sum_, sum_, None)
     if dtype in (torch.float32, torch.bfloat16):
-        return GradReduction(None, sum_, sum_, factor)
+        return _reduction(None, sum_, sum_, factor)
     pre = 1
     while factor % pre == 0 and factor / pre > pre:
         pre *= 2
     post = factor / pre
-    return GradReduction(1.0 / pre if pre != 1 else None, sum_, sum_, post if post != 1 else None)
+    return _reduction(1.0 / pre if pre != 1 else None, sum_, sum_, post if post != 1 else None)
 
 
 # A user's all-gather or reduce-scatter for one unit (FSDPModule.set_custom_all_gather /
@@ -118,7 +129,7 @@ def reduce_scatter(
         return None
     else:
         work = group.reduce_scatter_single(
-            output, input, _reduce_scatter_options(reduction.op, async_op)
+            output, input, reduction.scatter_options[async_op]
         )
     return _finished_unless_async(work, async_op)
 
@@ -139,7 +150,6 @@ def _all_gather_options(async_op: bool) -> AllgatherOptions:
     return options
 
 
-@functools.cache
 def _reduce_scatter_options(op: ReduceOp.RedOpType, async_op: bool) -> dist.ReduceScatterOptions:
     options = dist.ReduceScatterOptions()
     options.reduceOp = op

@@ -84,4 +84,7 @@ def test_no_process_group_is_a_clear_error():
     ],
 )
 def test_grad_reduction(sizes, dtype, factor, force_sum, expected):
-    assert grad_reduction(*sizes, dtype, factor, force_sum) == GradReduction(*expected)
+    reduction = grad_reduction(*sizes, dtype, factor, force_sum)
+    assert reduction[:4] == GradReduction(*expected)[:4]
+    for async_op, options in enumerate(reduction.scatter_options):
+        assert options.reduceOp == reduction.op and options.asyncOp == bool(async_op)
