@@ -103,8 +103,11 @@ class ShardedParam:
             self._local.copy_(local)
         sharded = nn.Parameter(self._as_dtensor(self._local), requires_grad=requires_grad)
         if keep is not None:
+            grad = keep.grad  # swap_tensors would move it to the discarded tensor
             torch.utils.swap_tensors(keep, sharded)
             sharded = keep
+            if grad is not None and (grad.shape, grad.dtype) == (keep.shape, keep.dtype):
+                keep.grad = grad  # e.g. module.to() converted both
         self.sharded = sharded
         self._local = _local_of(sharded)  # a detached alias of the view: Parameter() detaches
         self.param_dtype = self._mp_policy.param_dtype or local.dtype
@@ -310,7 +313,7 @@ class ShardedParam:
         in reduce_dtype when that is wider (summing in place, autograd would keep
         param_dtype)."""
         if self._pending_shard is not None:
-            self._accumulate_grad(self._pending_shard)
+            self.add_to_grad(self._pending_shard)
             self._pending_shard = None
         if self._accumulated_spent:
             self._accumulated_grad, self._accumulated_spent = None, False
@@ -326,8 +329,9 @@ class ShardedParam:
         self.unsharded.grad = None
         self._pending_shard, self._accumulated_spent = None, False
 
-    def _accumulate_grad(self, padded_grad_shard: torch.Tensor) -> None:
-        """Add this rank's reduced gradient shard (flat, padded) to the sharded `.grad`."""
+    def add_to_grad(self, padded_grad_shard: torch.Tensor) -> torch.Tensor:
+        """Add this rank's reduced gradient shard (flat, padded) to the sharded `.grad`
+        (a view of it when `.grad` was None and no cast is needed); returns its local tensor."""
         # The first numel elements, shaped: one view op (this runs for every parameter).
         local = padded_grad_shard.as_strided(self._local_shape, self._local_stride)
         shard = self.padded_shard
@@ -337,8 +341,10 @@ class ShardedParam:
             # The parameter's own spec, without from_local's autograd function: this runs
             # for every parameter after every backward.
             self.sharded.grad = DTensor(local, self.sharded._spec, requires_grad=False)
-        else:
-            _local_of(self.sharded.grad).add_(local)
+            return local
+        grad = _local_of(self.sharded.grad)
+        grad.add_(local)
+        return grad
 
 
 def _local_of(dtensor: DTensor) -> torch.Tensor:

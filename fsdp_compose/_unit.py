@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -82,8 +83,9 @@ class Unit:
         self._spent_partials: set[ShardedParam] = set()
         self._gather_sizes = [p.layout.padded_shard_numel for p in params]
         self._shard_numel = sum(self._gather_sizes)  # this rank's padded shards, together
-        # Where each parameter's shard starts in a reduction of all of them; see _commit_held.
-        self._held_offsets = [sum(self._gather_sizes[:i]) for i in range(len(params))]
+        # Weak references to an earlier `held` and to the local tensors of the `.grad`s a
+        # commit made views of it; see _commit_held.
+        self._grad_views: tuple[weakref.ref, list[weakref.ref]] | None = None
         # See _lay_out.
         self._laid_out = False
         self._flat: torch.Tensor | None = None
@@ -528,23 +530,23 @@ class Unit:
             p.hold_reduced(shard)
 
     def _commit_held(self, held: torch.Tensor) -> None:
-        """Add every parameter's reduced shard in `held` to its `.grad`: with one add when
-        the gradients are still the views of an earlier `held` that a commit made them
-        (see ShardedParam._accumulate_grad), as in gradient accumulation."""
-        grads = [p.sharded.grad for p in self.params]
-        first = grads[0]
-        base = None if first is None else first._local_tensor._base
-        if (
-            base is not None and base.dtype == held.dtype and base.shape == held.shape
-            and all(
-                g is not None and (local := g._local_tensor)._base is base
-                and local.storage_offset() - base.storage_offset() == offset
-                for g, offset in zip(grads, self._held_offsets)
-            )
+        """Add every parameter's reduced shard in `held` to its `.grad`. When the `.grad`s
+        are still the views of an earlier `held` that a commit made them (as in gradient
+        accumulation), with one add; else each its own, which makes the `.grad`s that were
+        None views of `held` (ShardedParam.add_to_grad)."""
+        views = self._grad_views
+        if views is not None and (base := views[0]()) is not None and all(
+            # The local tensor, not the DTensor: swap_tensors (module.to()) keeps the object.
+            (g := p.sharded.grad) is not None and g._local_tensor is local()
+            for p, local in zip(self.params, views[1])
         ):
             base.add_(held)
-        else:
-            self._hold_each(self.params, self._gather_sizes, held)
+            return
+        locals_ = []
+        for p, shard in zip(self.params, torch.split_with_sizes(held, self._gather_sizes)):
+            locals_.append(p.add_to_grad(shard))
+        if all(local._base is held for local in locals_):
+            self._grad_views = (weakref.ref(held), [weakref.ref(local) for local in locals_])
 
     def _zeros(self, p: ShardedParam) -> torch.Tensor:
         """A gradient for a parameter only an earlier HSDP reduction saw."""

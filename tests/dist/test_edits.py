@@ -70,3 +70,42 @@ def check_replace_and_freeze_after_annotation() -> None:
 
 def test_replace_and_freeze_after_annotation(ranks):
     ranks.run(check_replace_and_freeze_after_annotation, world_size=2)
+
+
+def check_grad_edits_between_backwards() -> None:
+    """Backwards without zero_grad sum into the sharded `.grad`s; clearing one, replacing
+    one, or converting them all (module.to, which swaps tensors in place) in between is
+    respected, as on the reference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = MLP()
+    model = copy.deepcopy(ref)
+    per_block(model, fully_shard)
+
+    def backward(index: int) -> None:
+        x = feature_batch(index, 2 * world).to(ref.layers[0].weight.dtype)
+        mse_loss(ref, x).backward()
+        mse_loss(model, x.chunk(world)[rank]).backward()
+        ref_params = dict(ref.named_parameters())
+        for fqn, p in model.named_parameters():
+            expected = ref_params[fqn].grad
+            assert (p.grad is None) == (expected is None), fqn
+            if expected is not None:
+                torch.testing.assert_close(full(p.grad), expected, msg=f"{fqn} after {index}")
+
+    backward(0)
+    backward(1)  # summed into the same .grad tensors
+    ref.layers[0].weight.grad = None
+    model.layers[0].weight.grad = None
+    backward(2)
+    ref.layers[1].bias.grad = ref.layers[1].bias.grad * 2
+    model.layers[1].bias.grad = model.layers[1].bias.grad * 2
+    backward(3)
+    for m in (ref, model):
+        m.to(torch.float64)
+    backward(4)
+    assert model.layers[0].weight.grad.dtype == torch.float64
+
+
+def test_grad_edits_between_backwards(ranks):
+    ranks.run(check_grad_edits_between_backwards, world_size=2)
