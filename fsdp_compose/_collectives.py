@@ -108,7 +108,7 @@ def all_gather(
     else:
         # The process group's own method, which dist.all_gather_single calls after checks
         # that cost more than the rest of a unit's unshard (our tensors are flat and ours).
-        work = group.all_gather_single(output, shard, _all_gather_options(async_op))
+        work = group.all_gather_single(output, shard, _ALL_GATHER_OPTIONS[async_op])
     return _finished_unless_async(work, async_op)
 
 
@@ -142,12 +142,15 @@ def _finished_unless_async(work: dist.Work | None, async_op: bool) -> dist.Work 
     return None
 
 
-# The options of our calls, built once: the process group only reads them.
-@functools.cache
 def _all_gather_options(async_op: bool) -> AllgatherOptions:
     options = AllgatherOptions()
     options.asyncOp = async_op
     return options
+
+
+# The options of our calls, built once (the process group only reads them): synchronous
+# and asynchronous, indexed by async_op.
+_ALL_GATHER_OPTIONS = (_all_gather_options(False), _all_gather_options(True))
 
 
 def _reduce_scatter_options(op: ReduceOp.RedOpType, async_op: bool) -> dist.ReduceScatterOptions:

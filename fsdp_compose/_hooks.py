@@ -301,7 +301,7 @@ class UnitState:
             if not x.requires_grad:
                 return args, kwargs
             self._pending_post_backward += 1
-            if x.grad_fn is None:
+            if x.is_leaf:
                 return _PostBackward.apply(self, x), kwargs
             view = x.view_as(x)
             view.grad_fn.register_hook(self._after_input_grad)
@@ -321,8 +321,8 @@ class UnitState:
             return
         for x in (output,) if isinstance(output, torch.Tensor) else tree_leaves(output):
             if isinstance(x, torch.Tensor) and x.requires_grad:
-                if x.grad_fn is not None:  # cheaper than a tensor hook; runs just as early
-                    x.grad_fn.register_prehook(self._pre_backward)
+                if (node := x.grad_fn) is not None:  # cheaper than a tensor hook, as early
+                    node.register_prehook(self._pre_backward)
                 else:
                     x.register_hook(self._pre_backward)
 
