@@ -304,7 +304,7 @@ class UnitState:
             if x.is_leaf:
                 return _PostBackward.apply(self, x), kwargs
             view = x.view_as(x)
-            view.grad_fn.register_hook(self._after_input_grad)
+            view.grad_fn.register_hook(self.post_backward)
             return (view,), kwargs
         flat, spec = tree_flatten((args, kwargs))
         where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -340,11 +340,9 @@ class UnitState:
             if other.unshard_in_backward and other.phase is not Phase.POST_BACKWARD:
                 self.comm.prefetch(other.unit)  # overlaps this unit's gradient computation
 
-    def _after_input_grad(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        self.post_backward()
-
-    def post_backward(self) -> None:
-        """Run once the unit's backward is done: every forward's input node has run."""
+    def post_backward(self, *_grads: Any) -> None:
+        """Run once the unit's backward is done: every forward's input node has run (as a
+        hook of its backward node, which passes its gradients: unused)."""
         if self._pending_post_backward > 0:
             self._pending_post_backward -= 1
         if self._pending_post_backward or self.phase is not Phase.PRE_BACKWARD:

@@ -63,6 +63,7 @@ class Unit:
         self.group = mesh.get_group(mesh.ndim - 1)
         self.shard_size = mesh.size(-1)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
         self.is_unsharded = False
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
@@ -425,9 +426,8 @@ class Unit:
         # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
         # pads them to the shard layout and casts to reduce_dtype.
         torch._chunk_cat(grads, dim=0, num_chunks=self.shard_size, out=rows)
-        replicas = self.replicate_group.size() if self.replicate_group is not None else 1
         reduction = grad_reduction(
-            self.shard_size, replicas, self.reduce_dtype, self.gradient_divide_factor,
+            self.shard_size, self.replicate_size, spec[1], self.gradient_divide_factor,
             self.force_sum_reduction,
         )
         side = self.streams
@@ -503,8 +503,9 @@ class Unit:
             try:
                 all_reduce(reduced, reduction.all_reduce_op, self.replicate_group)
             except RuntimeError as error:
-                replicas = self.replicate_group.size()
-                raise collective_failed(self.label, "all-reduce", replicas, error) from error
+                raise collective_failed(
+                    self.label, "all-reduce", self.replicate_size, error
+                ) from error
             self._spent_partials.update(p for p, _ in shards)
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(reduced)
