@@ -216,8 +216,9 @@ class Unit:
             gathered = self._gather_buffer.take(spec)
             flat = self._gather_buffer.flat
         else:
-            flat = allocate(self.custom_all_gather, (rows * spec[0][1],), spec[1], self.device)
-            gathered = flat.view(rows, -1)
+            shape, dtype, device = spec
+            flat = allocate(self.custom_all_gather, (shape[0] * shape[1],), dtype, device)
+            gathered = flat.view(shape)
         if self._complex and not encoded:  # sent as real pairs, as torch.distributed sends them
             flat, shards = torch.view_as_real(flat), torch.view_as_real(shards)
         try:
