@@ -67,6 +67,8 @@ class Unit:
         self.is_unsharded = False
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
+        # (divide factor, force sum, the GradReduction they give): see reduce_grads.
+        self._reduction: tuple[float | None, bool, GradReduction] | None = None
         self.requires_all_reduce = True
         self.reduce_scatter_unused_params = False
         # Run on each reduced gradient buffer before the final division (set_all_reduce_hook).
@@ -251,6 +253,7 @@ class Unit:
         if self._flat is not None:
             self._gather_spec = ((rows, self._shard_numel), dtype, device)
         self._reduce_spec = ((rows, self._shard_numel), self.reduce_dtype, device)
+        self._reduction = None  # its dtype may have changed
         self._complex = dtype.is_complex
         if all(p.param_dtype == self.param_dtype for p in params):
             with torch.inference_mode(False):
@@ -427,10 +430,16 @@ class Unit:
         # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
         # pads them to the shard layout and casts to reduce_dtype.
         torch._chunk_cat(grads, dim=0, num_chunks=self.shard_size, out=rows)
-        reduction = grad_reduction(
-            self.shard_size, self.replicate_size, spec[1], self.gradient_divide_factor,
-            self.force_sum_reduction,
-        )
+        # Kept while the settings are the same objects (and the layout, so the reduce
+        # dtype, the same): cheaper than the cached function's key, at every reduction.
+        divide, force_sum = self.gradient_divide_factor, self.force_sum_reduction
+        kept = self._reduction
+        if kept is None or kept[0] is not divide or kept[1] is not force_sum:
+            reduction = grad_reduction(
+                self.shard_size, self.replicate_size, spec[1], divide, force_sum
+            )
+            kept = self._reduction = (divide, force_sum, reduction)
+        reduction = kept[2]
         side = self.streams
         if side is None:
             reduced, work = self._reduce_scatter(flat, numel, reduction, async_op=True)

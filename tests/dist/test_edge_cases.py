@@ -366,6 +366,17 @@ def check_gradient_divide_factors() -> None:
         torch.testing.assert_close(summed, default * world)
         torch.testing.assert_close(forced, default)
         assert torch.equal(deprecated, summed)
+    # Changed between backwards, the factor applies from the next reduction on.
+    _, ours, _ = three_models(MLP)
+    batch = feature_batch(0, 2 * world).chunk(world)[rank]
+    mse_loss(ours, batch).backward()
+    ours.zero_grad()
+    for module in ours.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    mse_loss(ours, batch).backward()
+    for after, (_, summed, _, _) in zip(ours.parameters(), zip(*grads)):
+        torch.testing.assert_close(after.grad.full_tensor(), summed)
 
 
 def test_gradient_divide_factor_and_forced_sum(ranks):
