@@ -553,9 +553,9 @@ class Unit:
         ):
             base.add_(held)
             return
-        locals_ = []
-        for p, shard in zip(self.params, torch.split_with_sizes(held, self._gather_sizes)):
-            locals_.append(p.add_to_grad(shard))
+        shards = torch.split_with_sizes(held, self._gather_sizes)
+        locals_ = [p.add_to_grad(shard) for p, shard in zip(self.params, shards)]
+        self._grad_views = None
         if all(local._base is held for local in locals_):
             self._grad_views = (weakref.ref(held), [weakref.ref(local) for local in locals_])
 
