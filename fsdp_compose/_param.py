@@ -22,7 +22,6 @@ class Registration(NamedTuple):
     name: str
     sharded: nn.Parameter
     unsharded: nn.Parameter
-    local: torch.Tensor  # the sharded form's local tensor, to tell it from a replacement
 
 
 class ShardedParam:
@@ -182,13 +181,16 @@ class ShardedParam:
     def adopt_registered(self) -> bool:
         """Make what the module holds our shard again, if it changed behind our back:
         `module.to_empty()` / `.to()` swap the sharded parameter's data, `load_state_dict(
-        assign=True)` or an assignment replace the parameter (a whole tensor is sharded).
-        Returns whether the shard was stored anew."""
+        assign=True)` or an assignment replace the parameter (a whole tensor is sharded);
+        the unsharded form follows a parameter frozen or unfrozen since. Returns whether the
+        shard was stored anew."""
         module, attr = self.owners[0]
         registered = module._parameters.get(attr)
         if registered is self.unsharded:
             return False
         if registered is self.sharded and _local_of(registered) is self._local:
+            if self.unsharded.requires_grad is not registered.requires_grad:
+                self.unsharded.requires_grad_(registered.requires_grad)
             return False
         if isinstance(registered, DTensor):
             if (registered.device_mesh, tuple(registered.placements), registered.shape) != (
@@ -267,9 +269,9 @@ class ShardedParam:
 
     def registrations(self) -> list[Registration]:
         """Where the parameter is registered, with its forms as they are now: what the unit
-        needs to swap and check all its parameters in one loop (see Unit._lay_out)."""
+        needs to swap all its parameters in one loop (see Unit._lay_out)."""
         return [
-            Registration(module._parameters, name, self.sharded, self.unsharded, self._local)
+            Registration(module._parameters, name, self.sharded, self.unsharded)
             for module, name in self.owners
         ]
 

@@ -123,18 +123,6 @@ class Unit:
         """Take back parameters changed behind our back (see ShardedParam.adopt_registered)
         and follow parameters frozen or unfrozen since. Parameters change between
         iterations: forward calls this once per iteration, not at every gather."""
-        if self._laid_out:
-            for parameters, name, sharded, unsharded, local in self._registrations:
-                registered = parameters.get(name)
-                if registered is not unsharded and (
-                    # The local tensor read directly: _param._local_of, without the call.
-                    registered is not sharded or sharded._local_tensor is not local
-                ):
-                    break
-                if unsharded.requires_grad is not sharded.requires_grad:  # (un)frozen since
-                    unsharded.requires_grad_(sharded.requires_grad)
-            else:
-                return  # all as the last layout left them
         for p in self.params:
             if p.adopt_registered():
                 self.shards_replaced()
@@ -144,7 +132,7 @@ class Unit:
             for p in self.params:
                 p.to_unsharded()
             return
-        for parameters, name, _, unsharded, _ in self._registrations:
+        for parameters, name, _, unsharded in self._registrations:
             parameters[name] = unsharded
 
     def _register_sharded(self) -> None:
@@ -152,7 +140,7 @@ class Unit:
             for p in self.params:
                 p.to_sharded()
             return
-        for parameters, name, sharded, _, _ in self._registrations:
+        for parameters, name, sharded, _ in self._registrations:
             parameters[name] = sharded
 
     def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
@@ -272,8 +260,8 @@ class Unit:
         for storage, _ in self._unsharded_storages:
             storage.resize_(0)
         self._gather_targets = [p.gather_target(from_post_forward=False) for p in params]
-        # The unit registers and checks all its parameters in one loop each (a method call
-        # per parameter costs more than the work), while this layout holds.
+        # The unit registers all its parameters in one loop (a method call per parameter
+        # costs more than the work), while this layout holds.
         self._registrations = [r for p in params for r in p.registrations()]
         self._laid_out = True
 
