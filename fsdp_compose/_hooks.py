@@ -401,11 +401,12 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     """`hook`, run eagerly when torch.compile traces the module: hooks communicate and
     resize storage, which graphs cannot hold, so compilation breaks the graph around them.
     Outside compilation the hook is called directly (a disabled function's wrapper costs
-    more than the hook's own bookkeeping)."""
+    more than the hook's own bookkeeping). Dynamo is what traces hooks, and reads
+    is_dynamo_compiling() as True (one call, where is_compiling() makes two)."""
     disabled = torch.compiler.disable(hook)
 
     def call(*args: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return disabled(*args)
         return hook(*args)
 
