@@ -12,11 +12,12 @@ the plain model on each rank's batch without communication, all ranks at once (t
 contention for the machine). Peak memory per rank comes from a separate tracked step
 (torch's MemTracker, by category) next to the analytic bound: sharded parameters,
 gradients and AdamW state, plus the largest units unsharded at once (one computing, one
-prefetched, and the gradient of the one computing), plus the floor's activations.
-Collectives and bytes per step are counted at dispatch, next to the analytic floor of one
-all-gather per unit per pass and one reduce-scatter per unit. On CUDA it also reports MFU
-and, from the profiler, the fraction of communication hidden under compute. Rank 0 prints
-a table and writes JSON and a PNG chart (with matplotlib) to --out.
+prefetched, and the gradient of the one computing), plus the floor's activations and
+temporaries at its peak. Collectives and bytes per step are counted at dispatch, next to
+the analytic floor of one all-gather per unit per pass and one reduce-scatter per unit.
+On CUDA it also reports MFU and, from the profiler, the fraction of communication hidden
+under compute. Rank 0 prints a table and writes JSON and a PNG chart (with matplotlib) to
+--out.
 """
 
 from __future__ import annotations
@@ -111,9 +112,12 @@ def ddp_bytes(model: nn.Module) -> dict[str, int]:
     return {"all_reduce": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
-def analytic(args: argparse.Namespace, plain: nn.Module, activations: int) -> dict[str, float]:
-    """The floors: bytes each collective must carry, and the paper's memory bound."""
+def analytic(args: argparse.Namespace, plain: nn.Module, floor_peak: dict[str, int]) -> dict[str, float]:
+    """The floors: bytes each collective must carry, and the paper's memory bound, whose
+    working memory (activations and temporaries) is the floor's at its peak (`floor_peak`,
+    measure_memory's categories)."""
     world = dist.get_world_size()
+    working = floor_peak["Activation"] + floor_peak["Temp"]
 
     def padded(params: list[nn.Parameter]) -> int:  # each parameter padded to W shards on dim 0
         return sum(-(-p.shape[0] // world) * world * p[0].numel() * p.element_size() for p in params)
@@ -121,6 +125,7 @@ def analytic(args: argparse.Namespace, plain: nn.Module, activations: int) -> di
     blocks = [padded(list(b.parameters())) for b in plain.blocks]
     root = padded([p for n, p in plain.named_parameters() if not n.startswith("blocks.")])
     params = sum(p.numel() * p.element_size() for p in plain.parameters())
+    shards = padded(list(plain.parameters())) // world  # per rank, padding included
     largest = max(blocks)
     return {
         # Blocks are gathered in forward and again in backward; the root stays unsharded.
@@ -130,8 +135,9 @@ def analytic(args: argparse.Namespace, plain: nn.Module, activations: int) -> di
         "reduce_scatter_calls": len(blocks) + 1,
         "ddp_all_reduce_bytes": params,
         # Sharded params + grads + 2 AdamW moments, the root (unsharded throughout) and the
-        # largest block computing with its gradient and the next prefetched, activations.
-        "memory_bound": 4 * params / world + root + 3 * largest + activations,
+        # largest block computing with its gradient and the next prefetched, and the floor's
+        # working memory.
+        "memory_bound": 4 * shards + root + 3 * largest + working,
     }
 
 
@@ -220,7 +226,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     hidden = None
     if device.type == "cuda":
         hidden = {n: hidden_communication(models[n], optims[n], tokens) for n in CONTENDERS[:3]}
-    floor = analytic(args, models["floor"], memory["floor"]["Activation"])
+    floor = analytic(args, models["floor"], memory["floor"])
 
     median = {name: statistics.median(t) for name, t in times.items()}
     reference = losses["FSDP2"]

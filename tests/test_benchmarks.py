@@ -62,3 +62,28 @@ def test_hidden_fraction_counts_side_stream_time_under_compute():
     # Side time after merging: 9-11, 12-18, 20-24 = 12; under compute: 9-10 and 20-24 = 5.
     assert hidden_fraction({0: compute, **side}) == 5 / 12
     assert hidden_fraction({0: compute}) == 1.0  # nothing to hide
+
+
+def test_scale_benchmark_holds_the_floors_at_a_thousand_ranks(tmp_path):
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--worlds", "8", "1024",
+         "--rank", "7", "--depth", "2", "--dim", "32", "--seq", "16", "--steps", "1",
+         "--out", str(tmp_path)],
+        check=True, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    results = json.loads((tmp_path / "scale.json").read_text())
+    assert [r["world_size"] for r in results] == [8, 1024]
+    for r in results:
+        floor, ours = r["analytic"], r["communication"]["fsdp_compose"]
+        assert ours == r["communication"]["FSDP2"], r["world_size"]
+        assert ours["calls"] == {"all_gather": floor["all_gather_calls"],
+                                 "reduce_scatter": floor["reduce_scatter_calls"]}
+        assert ours["bytes"] == {"all_gather": floor["all_gather_bytes"],
+                                 "reduce_scatter": floor["reduce_scatter_bytes"]}
+        peak = r["peak_memory"]["fsdp_compose"]["Total"]
+        assert peak <= r["peak_memory"]["FSDP2"]["Total"], r["world_size"]
+        assert peak <= floor["memory_bound"], (r["world_size"], peak, floor["memory_bound"])
+    # Padded to 1024 shards, every parameter (at most 256 rows here) takes a row per rank.
+    assert results[1]["communication"]["fsdp_compose"]["bytes"]["reduce_scatter"] > (
+        results[0]["communication"]["fsdp_compose"]["bytes"]["reduce_scatter"]
+    )
