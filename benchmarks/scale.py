@@ -71,7 +71,8 @@ def report(results: list[dict], out: Path) -> None:
           f"{'gathered B':>12}{'reduced B':>11}{'floor?':>7}{'step ms':>9}{'FSDP2':>9}")
     for r in results:
         ours, theirs = (r["peak_memory"][n]["Total"] for n in SHARDED)
-        bound, floor = r["analytic"]["memory_bound"], r["analytic"]
+        floor = r["analytic"]
+        bound = floor["memory_bound"]
         sent = r["communication"]["fsdp_compose"]["bytes"]
         at_floor = sent == {"all_gather": floor["all_gather_bytes"],
                             "reduce_scatter": floor["reduce_scatter_bytes"]}
