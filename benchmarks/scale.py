@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from step import CollectiveCounter, analytic, batch, build, measure_memory, train_step
+from step import (
+    CollectiveCounter, add_model_arguments, analytic, batch, build, measure_memory, train_step,
+)
 
 CPU = torch.device("cpu")
 SHARDED = ("fsdp_compose", "FSDP2")
@@ -88,16 +90,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 256, 1024])
     parser.add_argument("--rank", type=int, default=0, help="the rank simulated")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per runtime")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.set_defaults(dtype=torch.float32)  # what step.build trains in
     args = parser.parse_args()
     if any(not 0 <= args.rank < world for world in args.worlds):
         parser.error(f"--rank {args.rank} is not a rank of every world size in {args.worlds}")

@@ -303,8 +303,8 @@ def report(result: dict, out: Path) -> None:
     print(f"wrote {out / 'step.json'} and {out / 'step.png'}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The GPT's sizes, its batch and its training (what build, batch and train_step read)."""
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=256)
@@ -314,6 +314,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dtype", type=lambda name: getattr(torch, name), default=torch.float32,
                         help="of the whole model and its training, e.g. bfloat16 on GPUs")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=5, help="steps per contender per round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1, help="rounds not timed")
