@@ -36,7 +36,7 @@ class CommContext:
             while len(gathers) >= self.max_all_gathers:
                 gathers.pop(0).wait_for_unshard()
         unit.unshard(async_op=True)
-        self._gathers.append(unit)
+        gathers.append(unit)
 
     def reduce(self, unit: Unit) -> None:
         """Start `unit`'s gradient reduction; `finish_reductions` (or a later one) ends it."""

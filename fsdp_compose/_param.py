@@ -102,11 +102,8 @@ class ShardedParam:
             self._local.copy_(local)
         sharded = nn.Parameter(self._as_dtensor(self._local), requires_grad=requires_grad)
         if keep is not None:
-            grad = keep.grad  # swap_tensors would move it to the discarded tensor
-            torch.utils.swap_tensors(keep, sharded)
+            _swap_keeping_grad(keep, sharded)
             sharded = keep
-            if grad is not None and (grad.shape, grad.dtype) == (keep.shape, keep.dtype):
-                keep.grad = grad  # e.g. module.to() converted both
         self.sharded = sharded
         self._local = _local_of(sharded)  # a detached alias of the view: Parameter() detaches
         self.param_dtype = self._mp_policy.param_dtype or local.dtype
@@ -119,10 +116,8 @@ class ShardedParam:
         flat_piece.copy_(self.padded_shard)
         self.padded_shard = flat_piece
         local = flat_piece[: self._local_shape.numel()].view(self._local_shape)
-        grad = self.sharded.grad  # swap_tensors would move it to the discarded tensor
         sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.sharded.requires_grad)
-        torch.utils.swap_tensors(self.sharded, sharded)
-        self.sharded.grad = grad
+        _swap_keeping_grad(self.sharded, sharded)
         self._local = _local_of(self.sharded)
 
     def _allocate_unsharded_buffer(self, device: torch.device) -> None:
@@ -347,6 +342,16 @@ class ShardedParam:
         grad = _local_of(self.sharded.grad)
         grad.add_(local)
         return grad
+
+
+def _swap_keeping_grad(kept: nn.Parameter, new: nn.Parameter) -> None:
+    """Give `kept` (the object optimizers and modules hold) the data of `new`, and keep its
+    `.grad` where it still fits (e.g. module.to() converted both): swap_tensors would move
+    the `.grad` to the discarded tensor."""
+    grad = kept.grad
+    torch.utils.swap_tensors(kept, new)
+    if grad is not None and (grad.shape, grad.dtype) == (kept.shape, kept.dtype):
+        kept.grad = grad
 
 
 def _local_of(dtensor: DTensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ class Unit:
         self.is_unsharded = False
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
-        # (divide factor, force sum, the GradReduction they give): see reduce_grads.
+        # (divide factor, force sum, the GradReduction they give): see _grad_reduction.
         self._reduction: tuple[float | None, bool, GradReduction] | None = None
         self.requires_all_reduce = True
         self.reduce_scatter_unused_params = False
@@ -418,16 +418,7 @@ class Unit:
         # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
         # pads them to the shard layout and casts to reduce_dtype.
         torch._chunk_cat(grads, dim=0, num_chunks=self.shard_size, out=rows)
-        # Kept while the settings are the same objects (and the layout, so the reduce
-        # dtype, the same): cheaper than the cached function's key, at every reduction.
-        divide, force_sum = self.gradient_divide_factor, self.force_sum_reduction
-        kept = self._reduction
-        if kept is None or kept[0] is not divide or kept[1] is not force_sum:
-            reduction = grad_reduction(
-                self.shard_size, self.replicate_size, spec[1], divide, force_sum
-            )
-            kept = self._reduction = (divide, force_sum, reduction)
-        reduction = kept[2]
+        reduction = self._grad_reduction()
         side = self.streams
         if side is None:
             reduced, work = self._reduce_scatter(flat, numel, reduction, async_op=True)
@@ -437,6 +428,19 @@ class Unit:
                 work = side.reduced()
         self._pending_reduction = _Reduction(work, rows, reduced, params, sizes, reduction)
         return True
+
+    def _grad_reduction(self) -> GradReduction:
+        """How this unit's gradients are averaged, kept while its settings are the same
+        objects (and its layout, so its reduce dtype, the same): cheaper than the cached
+        function's key, at every reduction."""
+        divide, force_sum = self.gradient_divide_factor, self.force_sum_reduction
+        kept = self._reduction
+        if kept is None or kept[0] is not divide or kept[1] is not force_sum:
+            reduction = grad_reduction(
+                self.shard_size, self.replicate_size, self.reduce_dtype, divide, force_sum
+            )
+            kept = self._reduction = (divide, force_sum, reduction)
+        return kept[2]
 
     def _grads_to_reduce(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
         """The parameters that take part in a reduction, and their unsharded gradients."""
