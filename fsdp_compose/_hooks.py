@@ -48,6 +48,9 @@ _NEXT = (
 )
 for _phase, _next in _NEXT:
     _phase.next = _next  # type: ignore[attr-defined]
+# The members as module globals, which the hooks read at every call: a member looked up on
+# its enum class costs as much as a function call (Python 3.11).
+IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = Phase
 
 
 def state_of(module: nn.Module) -> UnitState | None:
@@ -87,7 +90,7 @@ class UnitState:
     unshard_in_backward: bool = True
     requires_gradient_sync: bool = True
     label: str = ""
-    phase: Phase = Phase.IDLE
+    phase: Phase = IDLE
     ctx: IterContext | None = None
     # id -> weak reference of each parameter as it was before sharding, to recognise a
     # parameter tied to one outside the unit when an enclosing module is annotated.
@@ -204,7 +207,7 @@ class UnitState:
             # backwards accumulated, and start this iteration from a clean state.
             self.ctx.root.reset_iter_state()
         ctx = self.ctx
-        if self.phase is Phase.IDLE:
+        if self.phase is IDLE:
             self._modules_to_run = set(self.modules)
             if ctx.forward_root is None:
                 ctx.forward_root = self
@@ -220,7 +223,7 @@ class UnitState:
                 ctx.forward_order, ctx.last_post_forward = [], None
             self._forward_index = len(ctx.forward_order)
             ctx.forward_order.append(self)
-        self._enter(Phase.FORWARD)
+        self._enter(FORWARD)
         self.unit.unshard()  # also finishes a prefetch's gather
         if self.forward_prefetch or self.implicit_forward_prefetch:
             for other in self._forward_prefetch_targets():
@@ -252,7 +255,7 @@ class UnitState:
             # A list unit whose modules did not all run (e.g. a head skipped by a chunked
             # loss) still ends its forward with the forward that enclosed it.
             for state in self.ctx.states:
-                if state.phase is Phase.FORWARD:
+                if state.phase is FORWARD:
                     state._modules_to_run.clear()
                     state._register_pre_backward(output)
                     state._finish_forward()
@@ -269,7 +272,7 @@ class UnitState:
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """If `module`'s forward raised, undo what its pre-hook did; if it was the forward
         enclosing the others, undo the whole iteration's forward."""
-        if self.phase is not Phase.FORWARD or module not in self._modules_to_run or _in_backward():
+        if self.phase is not FORWARD or module not in self._modules_to_run or _in_backward():
             return  # post_forward ran, or this is not a forward of ours in progress
         if self.ctx.forward_root is self:
             self.ctx.root.reset_iter_state()
@@ -277,10 +280,10 @@ class UnitState:
             self._modules_to_run.discard(module)
             if not self._modules_to_run:
                 self.unit.reshard()
-                self.phase = Phase.IDLE
+                self.phase = IDLE
 
     def _finish_forward(self) -> None:
-        self._enter(Phase.IDLE)
+        self._enter(IDLE)
         ctx = self.ctx
         before = ctx.last_post_forward
         self._ended_forward_before = () if before is None else (before,)
@@ -329,15 +332,15 @@ class UnitState:
     # -- backward --------------------------------------------------------------------------
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        if self.phase is not Phase.PRE_BACKWARD:
-            self._enter(Phase.PRE_BACKWARD)
+        if self.phase is not PRE_BACKWARD:
+            self._enter(PRE_BACKWARD)
             self._queue_final_callback()
         if self.unshard_in_backward:
             self.unit.unshard()  # also finishes a prefetch's gather
         targets = self.backward_prefetch
         for other in self._ended_forward_before if targets is None else targets:
             # Not one whose backward is done already (gathered again for nothing).
-            if other.unshard_in_backward and other.phase is not Phase.POST_BACKWARD:
+            if other.unshard_in_backward and other.phase is not POST_BACKWARD:
                 self.comm.prefetch(other.unit)  # overlaps this unit's gradient computation
 
     def post_backward(self, *_grads: Any) -> None:
@@ -345,9 +348,9 @@ class UnitState:
         hook of its backward node, which passes its gradients: unused)."""
         if self._pending_post_backward > 0:
             self._pending_post_backward -= 1
-        if self._pending_post_backward or self.phase is not Phase.PRE_BACKWARD:
+        if self._pending_post_backward or self.phase is not PRE_BACKWARD:
             return
-        self._enter(Phase.POST_BACKWARD)
+        self._enter(POST_BACKWARD)
         self._reduce_and_reshard()
 
     def _reduce_and_reshard(self) -> None:
@@ -367,14 +370,14 @@ class UnitState:
         """End of backward, on the root: finish every unit no hook finished, in module order
         (the same on every rank), and start the next iteration from IDLE."""
         for state in self.ctx.states:
-            if state.phase is not Phase.POST_BACKWARD:
+            if state.phase is not POST_BACKWARD:
                 # Reached by no identity function (inputs without grad), or holding
                 # gradients from backwards without sync while not run this time.
-                if state.phase is Phase.PRE_BACKWARD or state.unit.has_unsharded_grads():
+                if state.phase is PRE_BACKWARD or state.unit.has_unsharded_grads():
                     state._reduce_and_reshard()
                 elif state.reshard_after_backward:
                     state.unit.reshard()
-            state.phase = Phase.IDLE
+            state.phase = IDLE
             state._pending_post_backward = 0
         self.comm.finish_reductions()
         for state in self.ctx.states:  # see Note [gradients per backward] in _param.py
@@ -388,7 +391,7 @@ class UnitState:
         for state in states:
             state.unit.reshard()
             state.unit.discard_backward()
-            state.phase = Phase.IDLE
+            state.phase = IDLE
             state._modules_to_run.clear()
             state._pending_post_backward = 0
         if self.ctx is not None:

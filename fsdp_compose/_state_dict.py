@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ._hooks import Phase, UnitState
+from ._hooks import IDLE, UnitState
 from ._param import ShardedParam
 
 
@@ -58,7 +58,7 @@ def _shard_loaded(
     cut whole tensors into this rank's shard. Mismatched shapes pass through to
     load_state_dict, whose error names the key and both shapes."""
     if state.unit.is_unsharded:
-        if state.phase is not Phase.IDLE:
+        if state.phase is not IDLE:
             raise RuntimeError(
                 f"load_state_dict: unit {state.label or type(module).__name__} is in its "
                 f"{state.phase.name.lower()} phase; load between training steps."
