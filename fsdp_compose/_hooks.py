@@ -11,6 +11,7 @@ engine ends every backward: it finishes what no hook finished and resets the ite
 from __future__ import annotations
 
 import enum
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,12 +117,9 @@ class UnitState:
 
     def install_hooks(self) -> None:
         for module in self.modules:
-            module.register_forward_pre_hook(
-                _eager(self.pre_forward), prepend=True, with_kwargs=True
-            )
-            module.register_forward_hook(_eager(self.post_forward))
-            # Runs after post_forward, and also when forward raised (post_forward did not).
-            module.register_forward_hook(_eager(self._after_forward), always_call=True)
+            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            # Also called when forward raised, to undo what pre_forward did.
+            module.register_forward_hook(self.post_forward, always_call=True)
 
     def owned_before_sharding(self, param: nn.Parameter) -> bool:
         ref = self.original_params.get(id(param))
@@ -193,6 +191,8 @@ class UnitState:
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if torch.compiler.is_dynamo_compiling():
+            return _run_eagerly(self.pre_forward, module, args, kwargs)
         if self.ctx is None:
             self.lazy_init()
         if self._input_dtype is not None:
@@ -240,6 +240,14 @@ class UnitState:
         return last[i : i + 1] if len(last) > i and last[i - 1] is self else []
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():
+            return _run_eagerly(self.post_forward, module, args, output)
+        # nn.Module calls this hook with output None when forward raised, from inside its
+        # `except` (a forward returning None while its caller handles an exception reads
+        # as failed too: nothing can run backward through it, and the unit is resharded).
+        if output is None and sys.exc_info()[1] is not None:
+            self._after_failed_forward(module)
+            return None
         in_backward = _current_graph_task_id() != -1  # recomputation: see pre_forward
         if not in_backward:
             self._modules_to_run.discard(module)
@@ -269,11 +277,11 @@ class UnitState:
                 state.unit.reshard()
         self.ctx.forward_prefetched.clear()
 
-    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        """If `module`'s forward raised, undo what its pre-hook did; if it was the forward
+    def _after_failed_forward(self, module: nn.Module) -> None:
+        """`module`'s forward raised: undo what its pre-hook did; if it was the forward
         enclosing the others, undo the whole iteration's forward."""
         if self.phase is not FORWARD or module not in self._modules_to_run or _in_backward():
-            return  # post_forward ran, or this is not a forward of ours in progress
+            return  # not a forward of ours in progress (e.g. a recomputation in backward)
         if self.ctx.forward_root is self:
             self.ctx.root.reset_iter_state()
         else:
@@ -400,20 +408,13 @@ class UnitState:
             self.ctx.forward_prefetched.clear()
 
 
-def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """`hook`, run eagerly when torch.compile traces the module: hooks communicate and
-    resize storage, which graphs cannot hold, so compilation breaks the graph around them.
-    Outside compilation the hook is called directly (a disabled function's wrapper costs
-    more than the hook's own bookkeeping). Dynamo is what traces hooks, and reads
-    is_dynamo_compiling() as True (one call, where is_compiling() makes two)."""
-    disabled = torch.compiler.disable(hook)
-
-    def call(*args: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling():
-            return disabled(*args)
-        return hook(*args)
-
-    return call
+@torch.compiler.disable
+def _run_eagerly(hook: Callable[..., Any], *args: Any) -> Any:
+    """Call `hook` eagerly. The module hooks call this first thing when torch.compile
+    traces them (dynamo reads is_dynamo_compiling() as True): they communicate and resize
+    storage, which graphs cannot hold, so compilation breaks the graph around them. Eager
+    calls go straight on: a wrapper around every hook would cost more than its bookkeeping."""
+    return hook(*args)
 
 
 # The autograd engine's graph task on this thread, -1 outside backward (the hot hooks call

@@ -121,3 +121,59 @@ def check_reset_iter_state_is_safe_any_time() -> None:
 
 def test_reset_iter_state_is_safe_any_time(ranks):
     ranks.run(check_reset_iter_state_is_safe_any_time, world_size=2)
+
+
+class Flaky(nn.Linear):
+    """Raises in forward while `fail` is set."""
+
+    fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise Injected("flaky")
+        return super().forward(x)
+
+
+class WithFallback(nn.Module):
+    """Runs `flaky` and, where it raises, `fallback` instead: an exception that the
+    enclosing forward catches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flaky, self.fallback, self.head = Flaky(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.flaky_was_resharded: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            x = self.flaky(x)
+        except Injected:
+            self.flaky_was_resharded.append(isinstance(self.flaky.weight, DTensor))
+            x = self.fallback(x)
+        return self.head(x)
+
+
+def check_caught_unit_exception() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = WithFallback()
+    model = copy.deepcopy(ref)
+    for unit in (model.flaky, model.fallback, model):
+        fully_shard(unit)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step, fail in enumerate([False, True, False, True, True, False]):
+        model.flaky.fail = ref.flaky.fail = fail
+        x = torch.randn(2 * world, 8, generator=torch.Generator().manual_seed(step))
+        model(x.chunk(world)[rank]).square().mean().backward()
+        ref(x).square().mean().backward()
+        for o in (optim, ref_optim):
+            o.step()
+            o.zero_grad()
+    assert model.flaky_was_resharded == [True, True, True]  # at once, inside the forward
+    ref_params = dict(ref.named_parameters())
+    for fqn, p in model.named_parameters():
+        torch.testing.assert_close(full(p), ref_params[fqn], msg=fqn)
+
+
+def test_a_unit_that_raised_inside_a_forward_that_caught_it_is_resharded_and_trains(ranks):
+    ranks.run(check_caught_unit_exception, world_size=2)
