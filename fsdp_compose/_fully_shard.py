@@ -133,11 +133,13 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's summed gradients by `factor` instead of the mesh size."""
-        self._state().unit.gradient_divide_factor = factor
+        unit = self._state().unit
+        unit.set_reduction(factor, unit.force_sum_reduction)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with a plain SUM on the wire and divide locally afterwards."""
-        self._state().unit.force_sum_reduction = enable
+        unit = self._state().unit
+        unit.set_reduction(unit.gradient_divide_factor, enable)
 
     def _not_yet(self, what: str) -> NoReturn:
         raise NotImplementedError(

@@ -111,9 +111,11 @@ class UnitState:
     _pending_post_backward: int = 0  # input nodes whose backward has not run yet
 
     def __post_init__(self) -> None:
-        # What forward casts its floating-point inputs to (None: nothing), read per call.
+        # What forward casts its floating-point inputs and outputs to (None: nothing), read
+        # per call.
         mp = self.mp_policy
         self._input_dtype = mp.param_dtype if mp.cast_forward_inputs else None
+        self._output_dtype = mp.output_dtype
 
     def install_hooks(self) -> None:
         for module in self.modules:
@@ -129,12 +131,12 @@ class UnitState:
     def is_root(self) -> bool:
         return self.ctx is not None and self.ctx.root is self
 
-    def _enter(self, phase: Phase) -> None:
-        assert phase in self.phase.next, (
+    def _bad_transition(self, phase: Phase) -> str:
+        # The hooks assert `phase in self.phase.next` inline (a call per hook costs more).
+        return (
             f"fsdp_compose unit {self.label} on rank {self.unit.mesh.get_rank()}: "
             f"{self.phase.name} -> {phase.name}"
         )
-        self.phase = phase
 
     def lazy_init(self) -> None:
         """Make this unit the root of every unit below it, on its first forward."""
@@ -223,7 +225,8 @@ class UnitState:
                 ctx.forward_order, ctx.last_post_forward = [], None
             self._forward_index = len(ctx.forward_order)
             ctx.forward_order.append(self)
-        self._enter(FORWARD)
+        assert FORWARD in self.phase.next, self._bad_transition(FORWARD)
+        self.phase = FORWARD
         self.unit.unshard()  # also finishes a prefetch's gather
         if self.forward_prefetch or self.implicit_forward_prefetch:
             for other in self._forward_prefetch_targets():
@@ -252,8 +255,8 @@ class UnitState:
         if not in_backward:
             self._modules_to_run.discard(module)
             self._register_pre_backward(output)
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floating(output, self.mp_policy.output_dtype)
+        if self._output_dtype is not None:
+            output = _cast_floating(output, self._output_dtype)
         if in_backward or self._modules_to_run:
             return output  # recomputation, or a list unit waiting for its other modules
         self._finish_forward()
@@ -291,7 +294,8 @@ class UnitState:
                 self.phase = IDLE
 
     def _finish_forward(self) -> None:
-        self._enter(IDLE)
+        assert IDLE in self.phase.next, self._bad_transition(IDLE)
+        self.phase = IDLE
         ctx = self.ctx
         before = ctx.last_post_forward
         self._ended_forward_before = () if before is None else (before,)
@@ -341,8 +345,10 @@ class UnitState:
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self.phase is not PRE_BACKWARD:
-            self._enter(PRE_BACKWARD)
-            self._queue_final_callback()
+            assert PRE_BACKWARD in self.phase.next, self._bad_transition(PRE_BACKWARD)
+            self.phase = PRE_BACKWARD
+            if not self.ctx.final_callback_queued:
+                self._queue_final_callback()
         if self.unshard_in_backward:
             self.unit.unshard()  # also finishes a prefetch's gather
         targets = self.backward_prefetch
@@ -358,7 +364,8 @@ class UnitState:
             self._pending_post_backward -= 1
         if self._pending_post_backward or self.phase is not PRE_BACKWARD:
             return
-        self._enter(POST_BACKWARD)
+        assert POST_BACKWARD in self.phase.next, self._bad_transition(POST_BACKWARD)
+        self.phase = POST_BACKWARD
         self._reduce_and_reshard()
 
     def _reduce_and_reshard(self) -> None:
@@ -370,9 +377,8 @@ class UnitState:
             self.comm.reduce(self.unit)  # without sync, the gradients wait in unsharded form
 
     def _queue_final_callback(self) -> None:
-        if not self.ctx.final_callback_queued:
-            self.ctx.final_callback_queued = True
-            Variable._execution_engine.queue_callback(self.ctx.root.finish_backward)
+        self.ctx.final_callback_queued = True
+        Variable._execution_engine.queue_callback(self.ctx.root.finish_backward)
 
     def finish_backward(self) -> None:
         """End of backward, on the root: finish every unit no hook finished, in module order

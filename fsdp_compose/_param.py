@@ -51,6 +51,8 @@ class ShardedParam:
     ) -> None:
         self.fqn = fqn
         self.owners = owners  # every (module, attribute) the parameter is registered as
+        # The first owner's _parameters and attribute: where adopt_registered looks.
+        self._home = (owners[0][0]._parameters, owners[0][1])
         self._mp_policy = mp_policy
         self._device = device  # where the unit computes
         # With CPU offload the shard (and so the optimizer step) lives in CPU memory.
@@ -179,13 +181,14 @@ class ShardedParam:
         assign=True)` or an assignment replace the parameter (a whole tensor is sharded);
         the unsharded form follows a parameter frozen or unfrozen since. Returns whether the
         shard was stored anew."""
-        module, attr = self.owners[0]
-        registered = module._parameters.get(attr)
-        if registered is self.unsharded:
-            return False
-        if registered is self.sharded and _local_of(registered) is self._local:
+        parameters, attr = self._home
+        registered = parameters.get(attr)
+        # As in every iteration: ours, sharded (its local tensor read directly).
+        if registered is self.sharded and registered._local_tensor is self._local:
             if self.unsharded.requires_grad is not registered.requires_grad:
                 self.unsharded.requires_grad_(registered.requires_grad)
+            return False
+        if registered is self.unsharded:
             return False
         if isinstance(registered, DTensor):
             if (registered.device_mesh, tuple(registered.placements), registered.shape) != (
@@ -314,8 +317,8 @@ class ShardedParam:
             self._pending_shard = None
         if self._accumulated_spent:
             self._accumulated_grad, self._accumulated_spent = None, False
-        grad = self._pop_grad()
-        if grad is not None:
+        if self.unsharded.grad is not None:  # a backward without reduction
+            grad = self._pop_grad()
             if self._accumulated_grad is None:
                 self._accumulated_grad = grad.to(self.reduce_dtype)
             else:

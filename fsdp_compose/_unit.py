@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
+from torch import nn
 from torch.distributed import ProcessGroup, Work
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -67,8 +68,7 @@ class Unit:
         self.is_unsharded = False
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
-        # (divide factor, force sum, the GradReduction they give): see _grad_reduction.
-        self._reduction: tuple[float | None, bool, GradReduction] | None = None
+        self._reduction: GradReduction | None = None  # see _grad_reduction
         self.requires_all_reduce = True
         self.reduce_scatter_unused_params = False
         # Run on each reduced gradient buffer before the final division (set_all_reduce_hook).
@@ -100,7 +100,9 @@ class Unit:
         self._reduce_spec: tuple[tuple[int, int], torch.dtype, torch.device] | None = None
         self._unsharded_storages: list[tuple[torch.UntypedStorage, int]] = []
         self._gather_targets: list[torch.Tensor] = []
-        self._registrations: list[Registration] = []
+        # Per owning module: its _parameters, and the sharded and unsharded forms to put
+        # there, by name. See _lay_out.
+        self._registrations: list[tuple[dict, dict[str, nn.Parameter], dict[str, nn.Parameter]]] = []
         if params and not any(p.is_meta for p in params):
             self._lay_out()
         self._gather_buffer = ReusedBuffer()  # unless a custom all-gather allocates
@@ -132,16 +134,16 @@ class Unit:
             for p in self.params:
                 p.to_unsharded()
             return
-        for parameters, name, _, unsharded in self._registrations:
-            parameters[name] = unsharded
+        for parameters, _, unsharded in self._registrations:
+            parameters.update(unsharded)
 
     def _register_sharded(self) -> None:
         if not self._laid_out:
             for p in self.params:
                 p.to_sharded()
             return
-        for parameters, name, sharded, _ in self._registrations:
-            parameters[name] = sharded
+        for parameters, sharded, _ in self._registrations:
+            parameters.update(sharded)
 
     def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
         """Reshard after forward to dim 1 of `mesh` (a smaller group), or fully if None."""
@@ -260,9 +262,9 @@ class Unit:
         for storage, _ in self._unsharded_storages:
             storage.resize_(0)
         self._gather_targets = [p.gather_target(from_post_forward=False) for p in params]
-        # The unit registers all its parameters in one loop (a method call per parameter
-        # costs more than the work), while this layout holds.
-        self._registrations = [r for p in params for r in p.registrations()]
+        # The unit registers all its parameters with one dict update per owning module (a
+        # method call per parameter costs more than the work), while this layout holds.
+        self._registrations = _forms_by_owner(r for p in params for r in p.registrations())
         self._laid_out = True
 
     def _flat_shard(self) -> torch.Tensor:
@@ -429,18 +431,22 @@ class Unit:
         self._pending_reduction = _Reduction(work, rows, reduced, params, sizes, reduction)
         return True
 
+    def set_reduction(self, divide_factor: float | None, force_sum: bool) -> None:
+        """Divide summed gradients by `divide_factor` (None: the number of data-parallel
+        ranks); with `force_sum`, reduce with a plain SUM and divide afterwards."""
+        self.gradient_divide_factor, self.force_sum_reduction = divide_factor, force_sum
+        self._reduction = None
+
     def _grad_reduction(self) -> GradReduction:
-        """How this unit's gradients are averaged, kept while its settings are the same
-        objects (and its layout, so its reduce dtype, the same): cheaper than the cached
-        function's key, at every reduction."""
-        divide, force_sum = self.gradient_divide_factor, self.force_sum_reduction
-        kept = self._reduction
-        if kept is None or kept[0] is not divide or kept[1] is not force_sum:
-            reduction = grad_reduction(
-                self.shard_size, self.replicate_size, self.reduce_dtype, divide, force_sum
+        """How this unit's gradients are averaged, kept until its settings or its layout
+        (so its reduce dtype) change: cheaper than the cached function's key, at every
+        reduction."""
+        if self._reduction is None:
+            self._reduction = grad_reduction(
+                self.shard_size, self.replicate_size, self.reduce_dtype,
+                self.gradient_divide_factor, self.force_sum_reduction,
             )
-            kept = self._reduction = (divide, force_sum, reduction)
-        return kept[2]
+        return self._reduction
 
     def _grads_to_reduce(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
         """The parameters that take part in a reduction, and their unsharded gradients."""
@@ -538,11 +544,7 @@ class Unit:
         accumulation), with one add; else each its own, which makes the `.grad`s that were
         None views of `held` (ShardedParam.add_to_grad)."""
         views = self._grad_views
-        if views is not None and (base := views[0]()) is not None and all(
-            # The local tensor, not the DTensor: swap_tensors (module.to()) keeps the object.
-            (g := p.sharded.grad) is not None and g._local_tensor is local()
-            for p, local in zip(self.params, views[1])
-        ):
+        if views is not None and (base := views[0]()) is not None and self._grads_are(views[1]):
             base.add_(held)
             return
         shards = torch.split_with_sizes(held, self._gather_sizes)
@@ -550,6 +552,15 @@ class Unit:
         self._grad_views = None
         if all(local._base is held for local in locals_):
             self._grad_views = (weakref.ref(held), [weakref.ref(local) for local in locals_])
+
+    def _grads_are(self, locals_: list[weakref.ref]) -> bool:
+        """Whether every parameter's `.grad` has the local tensor in `locals_` (not the
+        DTensor: swap_tensors, as in module.to(), keeps the object and changes its data)."""
+        for p, local in zip(self.params, locals_):
+            grad = p.sharded.grad  # a loop, not all() over a generator: this runs every step
+            if grad is None or grad._local_tensor is not local():
+                return False
+        return True
 
     def _zeros(self, p: ShardedParam) -> torch.Tensor:
         """A gradient for a parameter only an earlier HSDP reduction saw."""
@@ -566,3 +577,16 @@ class Unit:
         if p in self._pending_partials:
             return self._pending_partials.pop(p)
         return None if p in self._spent_partials else self._partial_grads.get(p)
+
+
+def _forms_by_owner(
+    registrations: Iterable[Registration],
+) -> list[tuple[dict, dict[str, nn.Parameter], dict[str, nn.Parameter]]]:
+    """Registrations grouped by owning module: (its _parameters, {name: sharded},
+    {name: unsharded})."""
+    by_owner: dict[int, tuple[dict, dict[str, nn.Parameter], dict[str, nn.Parameter]]] = {}
+    for r in registrations:
+        _, sharded, unsharded = by_owner.setdefault(id(r.parameters), (r.parameters, {}, {}))
+        sharded[r.name] = r.sharded
+        unsharded[r.name] = r.unsharded
+    return list(by_owner.values())
