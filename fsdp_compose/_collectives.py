@@ -109,7 +109,7 @@ def all_gather(
         # The process group's own method, which dist.all_gather_single calls after checks
         # that cost more than the rest of a unit's unshard (our tensors are flat and ours).
         work = group.all_gather_single(output, shard, _ALL_GATHER_OPTIONS[async_op])
-    return _finished_unless_async(work, async_op)
+    return work if async_op else _waited(work)
 
 
 def reduce_scatter(
@@ -131,15 +131,13 @@ def reduce_scatter(
         work = group.reduce_scatter_single(
             output, input, reduction.scatter_options[async_op]
         )
-    return _finished_unless_async(work, async_op)
+    return work if async_op else _waited(work)
 
 
-def _finished_unless_async(work: dist.Work | None, async_op: bool) -> dist.Work | None:
-    """`work` to wait for later with `async_op`; else waited for now (None: done)."""
-    if async_op or work is None:
-        return work
-    work.wait()
-    return None
+def _waited(work: dist.Work | None) -> None:
+    """Wait for `work` (None: done already); a synchronous caller gets None back."""
+    if work is not None:
+        work.wait()
 
 
 def _all_gather_options(async_op: bool) -> AllgatherOptions:

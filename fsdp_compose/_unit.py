@@ -129,22 +129,6 @@ class Unit:
             if p.adopt_registered():
                 self.shards_replaced()
 
-    def _register_unsharded(self) -> None:
-        if not self._laid_out:  # a parameter changed since the layout: it knows its forms
-            for p in self.params:
-                p.to_unsharded()
-            return
-        for parameters, _, unsharded in self._registrations:
-            parameters.update(unsharded)
-
-    def _register_sharded(self) -> None:
-        if not self._laid_out:
-            for p in self.params:
-                p.to_sharded()
-            return
-        for parameters, sharded, _ in self._registrations:
-            parameters.update(sharded)
-
     def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
         """Reshard after forward to dim 1 of `mesh` (a smaller group), or fully if None."""
         self.reshard()
@@ -313,7 +297,12 @@ class Unit:
         self._gather_buffer.release()
         if self.streams is not None:
             self.streams.copied_out()
-        self._register_unsharded()
+        if self._laid_out:
+            for parameters, _, unsharded in self._registrations:
+                parameters.update(unsharded)
+        else:  # a parameter changed since the layout: it knows its forms
+            for p in self.params:
+                p.to_unsharded()
         self.is_unsharded = True
 
     def _encode(self) -> tuple[torch.Tensor, list[int]]:
@@ -356,7 +345,12 @@ class Unit:
         if keep:
             for p in self.params:
                 p.keep_post_forward_shard()
-        self._register_sharded()
+        if self._laid_out:
+            for parameters, sharded, _ in self._registrations:
+                parameters.update(sharded)
+        else:
+            for p in self.params:
+                p.to_sharded()
         for storage, _ in self._unsharded_storages:
             storage.resize_(0)
         self._post_forward_kept = keep
