@@ -3,8 +3,8 @@
 Forward, backward and the optimizer run on the current ("compute") stream. A collective
 issued there would wait for every kernel queued before it; the CPU runs ahead of the
 device, so the next unit's all-gather would wait for this unit's compute. On their own
-streams, the all-gather waits only for what it reads and the reduce-scatter only for the
-gradients: both overlap compute. Events order the streams, and memory is reused safely
+streams, the all-gather waits only for what it reads and the reduce-scatter (with HSDP's
+all-reduce after it) only for the gradients: both overlap compute. Events order the streams, and memory is reused safely
 without Tensor.record_stream, by two rules that make every reuse of a block wait for its
 last use:
 
@@ -15,7 +15,8 @@ last use:
 - The reduce-scatter's input, allocated on the compute stream, is freed only after the
   compute stream waited for the reduction. The reduce-scatter stream waits for the compute
   stream before each reduction (`reducing`), so its output (a `.grad`, freed later on the
-  compute stream) is reused only once the compute stream is done with it.
+  compute stream) is reused only once the compute stream is done with it. HSDP's partial
+  sums (kept without an all-reduce) are added to the next reduction on that stream too.
 
 What the all-gather reads is written on the compute stream: the sharded parameters (by the
 optimizer, or a checkpoint load), a unit's shards laid out anew, the pieces kept after

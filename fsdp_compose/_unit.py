@@ -43,6 +43,10 @@ class _Reduction(NamedTuple):
     params: list[ShardedParam]
     sizes: list[int]  # each parameter's padded shard
     reduction: GradReduction
+    # Whether the output holds final shards (False: partial sums kept without an HSDP
+    # all-reduce), when _combine_replicas ran already: on side streams, right after the
+    # reduce-scatter. None on the CPU, where it runs once the reduce-scatter is waited for.
+    final: bool | None
 
 
 class Unit:
@@ -416,13 +420,16 @@ class Unit:
         torch._chunk_cat(grads, dim=0, num_chunks=self.shard_size, out=rows)
         reduction = self._grad_reduction()
         side = self.streams
+        final = None
         if side is None:
             reduced, work = self._reduce_scatter(flat, numel, reduction, async_op=True)
         else:
             with side.reducing():
                 reduced, _ = self._reduce_scatter(flat, numel, reduction, async_op=False)
+                # HSDP's all-reduce follows on the same stream: it overlaps compute too.
+                final = self._combine_replicas(params, sizes, reduced, reduction)
                 work = side.reduced()
-        self._pending_reduction = _Reduction(work, rows, reduced, params, sizes, reduction)
+        self._pending_reduction = _Reduction(work, rows, reduced, params, sizes, reduction, final)
         return True
 
     def set_reduction(self, divide_factor: float | None, force_sum: bool) -> None:
@@ -479,9 +486,9 @@ class Unit:
         return reduced, work
 
     def finish_reduction(self) -> None:
-        """Wait for the reduce-scatter `reduce_grads` started; all-reduce across replicas
-        (HSDP), run the all-reduce hook, divide, and hold each parameter's shard until the
-        backward finishes."""
+        """Wait for the reduction `reduce_grads` started (on the CPU, all-reduce across
+        HSDP replicas after it), run the all-reduce hook, divide, and hold each parameter's
+        shard until the backward finishes."""
         if (pending := self._pending_reduction) is None:
             return
         self._pending_reduction = None
@@ -494,26 +501,41 @@ class Unit:
                 ) from error
         self._reduce_buffer.release()
         reduced, reduction = pending.output, pending.reduction
-        if self.replicate_group is not None:
-            shards = list(zip(pending.params, torch.split_with_sizes(reduced, pending.sizes)))
-            for p, shard in shards:
-                if (partial := self._partial_grad(p)) is not None:
-                    shard.add_(partial)
-            if not self.requires_all_reduce:
-                self._pending_partials.update(shards)
-                return
-            try:
-                all_reduce(reduced, reduction.all_reduce_op, self.replicate_group)
-            except RuntimeError as error:
-                raise collective_failed(
-                    self.label, "all-reduce", self.replicate_size, error
-                ) from error
-            self._spent_partials.update(p for p, _ in shards)
+        final = pending.final
+        if final is None:
+            final = self.replicate_group is None or self._combine_replicas(
+                pending.params, pending.sizes, reduced, reduction
+            )
+        if not final:
+            return
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(reduced)
         if reduction.post_divide is not None:
             reduced.div_(reduction.post_divide)
         self._hold(pending.params, pending.sizes, reduced)
+
+    def _combine_replicas(
+        self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor,
+        reduction: GradReduction,
+    ) -> bool:
+        """HSDP: add each parameter's partial sum from earlier reductions to its reduced
+        shard and all-reduce across replicas, or, without all-reduce, keep the shards as
+        partial sums. Returns whether `reduced` holds final shards (always, unless HSDP)."""
+        if self.replicate_group is None:
+            return True
+        shards = list(zip(params, torch.split_with_sizes(reduced, sizes)))
+        for p, shard in shards:
+            if (partial := self._partial_grad(p)) is not None:
+                shard.add_(partial)
+        if not self.requires_all_reduce:
+            self._pending_partials.update(shards)
+            return False
+        try:
+            all_reduce(reduced, reduction.all_reduce_op, self.replicate_group)
+        except RuntimeError as error:
+            raise collective_failed(self.label, "all-reduce", self.replicate_size, error) from error
+        self._spent_partials.update(p for p, _ in shards)
+        return True
 
     def _hold(self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor) -> None:
         """Keep reduced gradient shards (padded, back to back) until the backward finishes:

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_compose import fully_shard, replicate
+from tests.dist.parity import Shard as ShardFn
 from tests.dist.parity import make_mesh, three_models, train_and_compare
 from tests.dist.test_collectives import CollectiveCounter, first_forward
 from tests.models import MLP, Transformer, feature_batch, lm_loss, token_batch
@@ -125,9 +126,11 @@ def test_sharded_and_replicated_units_in_one_model(ranks):
     assert vs_torch <= REPLICATE_VS_TORCH  # the root is replicated: see REPLICATE_VS_TORCH
 
 
-def check_hsdp_accumulation_without_all_reduce() -> None:
+def check_hsdp_accumulation_without_all_reduce(
+    shard_fns: tuple[ShardFn, ShardFn] = (fully_shard, torch_fully_shard),
+) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    ref, ours, theirs = three_models(MLP, make_mesh((2, 2)))
+    ref, ours, theirs = three_models(MLP, make_mesh((2, 2)), shard_fns=shard_fns)
     for micro in range(3):
         x = feature_batch(micro, 2 * world)
         mse_loss(ref, x).backward()

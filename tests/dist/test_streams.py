@@ -14,8 +14,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import fsdp_compose._unit as unit_module
 from fsdp_compose import fully_shard
 from fsdp_compose._buffer import ReusedBuffer
-from fsdp_compose._collectives import all_gather, reduce_scatter
+from fsdp_compose._collectives import all_gather, all_reduce, reduce_scatter
 from tests.dist.parity import train_and_compare
+from tests.dist.test_strategies import check_hsdp_accumulation_without_all_reduce
 from tests.models import Transformer, lm_loss, token_batch
 
 LOG: list[str] = []  # per worker process
@@ -89,6 +90,11 @@ def logged_reduce_scatter(*args, async_op=True):
     return reduce_scatter(*args, async_op=async_op)
 
 
+def logged_all_reduce(*args):
+    LOG.append("all_reduce")
+    return all_reduce(*args)
+
+
 def shard_on_recorded_streams(module, **kwargs):
     fully_shard(module, **kwargs)
     unit = module._state().unit
@@ -97,18 +103,26 @@ def shard_on_recorded_streams(module, **kwargs):
     return module
 
 
-def check_protocol(**shard_kwargs) -> tuple[float, list[str]]:
-    """Train like tests/dist/parity.py does, our units on recorded streams; the collectives
-    our units send are logged too."""
+@contextmanager
+def logged_collectives():
+    """The collectives our units send, logged (from a clear log)."""
     LOG.clear()
     unit_module.all_gather, unit_module.reduce_scatter = logged_all_gather, logged_reduce_scatter
+    unit_module.all_reduce = logged_all_reduce
     try:
+        yield
+    finally:
+        unit_module.all_gather, unit_module.reduce_scatter = all_gather, reduce_scatter
+        unit_module.all_reduce = all_reduce
+
+
+def check_protocol(**shard_kwargs) -> tuple[float, list[str]]:
+    """Train like tests/dist/parity.py does, our units on recorded streams."""
+    with logged_collectives():
         errors = train_and_compare(
             lambda: Transformer(depth=3), lm_loss, lambda step, n: token_batch(step, n),
             shard_fns=(shard_on_recorded_streams, torch_fully_shard), **shard_kwargs,
         )
-    finally:
-        unit_module.all_gather, unit_module.reduce_scatter = all_gather, reduce_scatter
     return errors.vs_torch, list(LOG)
 
 
@@ -133,6 +147,10 @@ def assert_rules_kept(log: list[str], gathers_from_kept_pieces: int = 0) -> None
             assert open_context == "gathering", f"all-gather outside the all-gather stream at {i}"
         elif entry == "reduce_scatter":
             assert open_context == "reducing", f"reduce-scatter outside its stream at {i}"
+        elif entry == "all_reduce":
+            assert open_context == "reducing" and log[i - 1] == "reduce_scatter", (
+                f"HSDP's all-reduce at {i} is not right after the reduce-scatter on its stream"
+            )
         elif entry == "take gather":
             assert open_context == "gathering", "the gathered buffer belongs to the all-gather stream"
         elif entry == "take reduce":
@@ -172,3 +190,24 @@ def test_side_stream_protocol_gathering_kept_pieces_after_forward(ranks):
     for vs_torch, log in ranks.run(check_protocol, world_size=4, reshard_after_forward=2):
         assert vs_torch == 0.0
         assert_rules_kept(log, gathers_from_kept_pieces=4)  # three blocks and the root
+
+
+def test_side_stream_protocol_with_hsdp_all_reduces_on_the_reduce_scatter_stream(ranks):
+    for vs_torch, log in ranks.run(check_protocol, world_size=4, mesh_shape=(2, 2)):
+        assert vs_torch == 0.0
+        assert_rules_kept(log)
+        assert log.count("all_reduce") == log.count("reduce_scatter")
+
+
+def check_hsdp_accumulation_on_recorded_streams() -> list[str]:
+    with logged_collectives():
+        check_hsdp_accumulation_without_all_reduce((shard_on_recorded_streams, torch_fully_shard))
+    return list(LOG)
+
+
+def test_side_stream_hsdp_accumulation_adds_partial_sums_on_the_reduce_scatter_stream(ranks):
+    """Two backwards keep partial sums, the third adds them and all-reduces: like torch."""
+    for log in ranks.run(check_hsdp_accumulation_on_recorded_streams, world_size=4):
+        assert_rules_kept(log)
+        reductions = log.count("reducing")
+        assert reductions > 0 and log.count("all_reduce") == reductions // 3
