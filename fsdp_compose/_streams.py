@@ -4,9 +4,9 @@ Forward, backward and the optimizer run on the current ("compute") stream. A col
 issued there would wait for every kernel queued before it; the CPU runs ahead of the
 device, so the next unit's all-gather would wait for this unit's compute. On their own
 streams, the all-gather waits only for what it reads and the reduce-scatter (with HSDP's
-all-reduce after it) only for the gradients: both overlap compute. Events order the streams, and memory is reused safely
-without Tensor.record_stream, by two rules that make every reuse of a block wait for its
-last use:
+all-reduce after it) only for the gradients: both overlap compute. Events order the
+streams, and memory is reused safely without Tensor.record_stream, by two rules that make
+every reuse of a block wait for its last use:
 
 - The gathered buffer, allocated on the all-gather stream, is freed once its copy-out is
   queued on the compute stream; before it allocates again, the all-gather stream waits

@@ -49,6 +49,11 @@ class _Reduction(NamedTuple):
     final: bool | None
 
 
+# One owning module's _parameters, and the sharded and the unsharded forms of its
+# parameters in a unit, by name: what one dict update registers.
+_OwnerForms = tuple[dict, dict[str, nn.Parameter], dict[str, nn.Parameter]]
+
+
 class Unit:
     """Unshards its parameters with one all-gather, reduces their gradients with one
     reduce-scatter (and, for HSDP, one all-reduce across replicas). Knows nothing of
@@ -104,9 +109,7 @@ class Unit:
         self._reduce_spec: tuple[tuple[int, int], torch.dtype, torch.device] | None = None
         self._unsharded_storages: list[tuple[torch.UntypedStorage, int]] = []
         self._gather_targets: list[torch.Tensor] = []
-        # Per owning module: its _parameters, and the sharded and unsharded forms to put
-        # there, by name. See _lay_out.
-        self._registrations: list[tuple[dict, dict[str, nn.Parameter], dict[str, nn.Parameter]]] = []
+        self._registrations: list[_OwnerForms] = []  # see _lay_out
         if params and not any(p.is_meta for p in params):
             self._lay_out()
         self._gather_buffer = ReusedBuffer()  # unless a custom all-gather allocates
@@ -595,12 +598,9 @@ class Unit:
         return None if p in self._spent_partials else self._partial_grads.get(p)
 
 
-def _forms_by_owner(
-    registrations: Iterable[Registration],
-) -> list[tuple[dict, dict[str, nn.Parameter], dict[str, nn.Parameter]]]:
-    """Registrations grouped by owning module: (its _parameters, {name: sharded},
-    {name: unsharded})."""
-    by_owner: dict[int, tuple[dict, dict[str, nn.Parameter], dict[str, nn.Parameter]]] = {}
+def _forms_by_owner(registrations: Iterable[Registration]) -> list[_OwnerForms]:
+    """Registrations grouped by owning module."""
+    by_owner: dict[int, _OwnerForms] = {}
     for r in registrations:
         _, sharded, unsharded = by_owner.setdefault(id(r.parameters), (r.parameters, {}, {}))
         sharded[r.name] = r.sharded
