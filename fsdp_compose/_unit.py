@@ -43,7 +43,7 @@ class _Reduction(NamedTuple):
     params: list[ShardedParam]
     sizes: list[int]  # each parameter's padded shard
     reduction: GradReduction
-    # Whether the output holds final shards (False: partial sums kept without an HSDP
+    # HSDP: whether the output holds final shards (False: partial sums kept without an
     # all-reduce), when _combine_replicas ran already: on side streams, right after the
     # reduce-scatter. None on the CPU, where it runs once the reduce-scatter is waited for.
     final: bool | None
@@ -429,8 +429,8 @@ class Unit:
         else:
             with side.reducing():
                 reduced, _ = self._reduce_scatter(flat, numel, reduction, async_op=False)
-                # HSDP's all-reduce follows on the same stream: it overlaps compute too.
-                final = self._combine_replicas(params, sizes, reduced, reduction)
+                if self.replicate_group is not None:  # on this stream: it overlaps compute too
+                    final = self._combine_replicas(params, sizes, reduced, reduction)
                 work = side.reduced()
         self._pending_reduction = _Reduction(work, rows, reduced, params, sizes, reduction, final)
         return True
@@ -504,13 +504,12 @@ class Unit:
                 ) from error
         self._reduce_buffer.release()
         reduced, reduction = pending.output, pending.reduction
-        final = pending.final
-        if final is None:
-            final = self.replicate_group is None or self._combine_replicas(
-                pending.params, pending.sizes, reduced, reduction
-            )
-        if not final:
-            return
+        if self.replicate_group is not None:
+            final = pending.final
+            if final is None:
+                final = self._combine_replicas(pending.params, pending.sizes, reduced, reduction)
+            if not final:
+                return
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(reduced)
         if reduction.post_divide is not None:
@@ -523,9 +522,7 @@ class Unit:
     ) -> bool:
         """HSDP: add each parameter's partial sum from earlier reductions to its reduced
         shard and all-reduce across replicas, or, without all-reduce, keep the shards as
-        partial sums. Returns whether `reduced` holds final shards (always, unless HSDP)."""
-        if self.replicate_group is None:
-            return True
+        partial sums. Returns whether `reduced` holds final shards."""
         shards = list(zip(params, torch.split_with_sizes(reduced, sizes)))
         for p, shard in shards:
             if (partial := self._partial_grad(p)) is not None:
