@@ -18,6 +18,7 @@ from ._collectives import (
 )
 from ._codec import AllGatherCodec
 from ._param import Registration, ShardedParam
+from ._partial_sums import PartialSums
 from ._streams import side_streams
 
 
@@ -87,12 +88,7 @@ class Unit:
         self.custom_all_gather: CustomComm | None = None
         self.custom_reduce_scatter: CustomComm | None = None
         self.codecs: dict[ShardedParam, AllGatherCodec] = {}
-        # HSDP without all-reduce: each parameter's reduce-scattered gradient shard, summed
-        # until a backward all-reduces again (gradient accumulation across replicas).
-        self._partial_grads: dict[ShardedParam, torch.Tensor] = {}
-        # This backward's changes to them, applied when it finishes.
-        self._pending_partials: dict[ShardedParam, torch.Tensor] = {}
-        self._spent_partials: set[ShardedParam] = set()
+        self._partial_sums = PartialSums()  # HSDP without all-reduce
         self._gather_sizes = [p.layout.padded_shard_numel for p in params]
         self._shard_numel = sum(self._gather_sizes)  # this rank's padded shards, together
         # Weak references to an earlier `held` and to the local tensors of the `.grad`s a
@@ -373,11 +369,8 @@ class Unit:
             self._commit_held(held)
         for p in self.params:
             p.commit()
-        if self._spent_partials or self._pending_partials:  # HSDP without all-reduce
-            for p in self._spent_partials:
-                self._partial_grads.pop(p, None)
-            self._partial_grads.update(self._pending_partials)
-            self._spent_partials, self._pending_partials = set(), {}
+        if self.replicate_group is not None:
+            self._partial_sums.commit()
 
     def discard_backward(self) -> None:
         """The backward did not finish: forget its gradients, keep the earlier ones."""
@@ -389,7 +382,7 @@ class Unit:
             self._reduce_buffer.release()
         for p in self.params:
             p.discard()
-        self._spent_partials, self._pending_partials = set(), {}
+        self._partial_sums.discard()
 
     def reduce_grads(self) -> bool:
         """Start averaging the unsharded gradients over the mesh; `finish_reduction` puts
@@ -458,7 +451,7 @@ class Unit:
         for p in self.params:
             if (grad := p.take_grad()) is None:
                 if not (
-                    self._partial_grad_exists(p)
+                    self._partial_sums.has(p)
                     or (self.reduce_scatter_unused_params and p.sharded.requires_grad)
                 ):
                     continue
@@ -525,16 +518,16 @@ class Unit:
         partial sums. Returns whether `reduced` holds final shards."""
         shards = list(zip(params, torch.split_with_sizes(reduced, sizes)))
         for p, shard in shards:
-            if (partial := self._partial_grad(p)) is not None:
+            if (partial := self._partial_sums.take(p)) is not None:
                 shard.add_(partial)
         if not self.requires_all_reduce:
-            self._pending_partials.update(shards)
+            self._partial_sums.keep(shards)
             return False
         try:
             all_reduce(reduced, reduction.all_reduce_op, self.replicate_group)
         except RuntimeError as error:
             raise collective_failed(self.label, "all-reduce", self.replicate_size, error) from error
-        self._spent_partials.update(p for p, _ in shards)
+        self._partial_sums.spend(p for p, _ in shards)
         return True
 
     def _hold(self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor) -> None:
@@ -582,17 +575,6 @@ class Unit:
         """A gradient for a parameter only an earlier HSDP reduction saw."""
         return torch.zeros(p.layout.shape, dtype=p.param_dtype, device=self.device)
 
-    def _partial_grad_exists(self, p: ShardedParam) -> bool:
-        return p in self._pending_partials or (
-            p in self._partial_grads and p not in self._spent_partials
-        )
-
-    def _partial_grad(self, p: ShardedParam) -> torch.Tensor | None:
-        """HSDP without all-reduce: p's reduce-scattered gradient summed so far, including
-        an earlier reduction in this backward, but not one an all-reduce already spent."""
-        if p in self._pending_partials:
-            return self._pending_partials.pop(p)
-        return None if p in self._spent_partials else self._partial_grads.get(p)
 
 
 def _forms_by_owner(registrations: Iterable[Registration]) -> list[_OwnerForms]:
