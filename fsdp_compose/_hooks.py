@@ -2,10 +2,13 @@
 
 A unit is unsharded in its forward pre-hook and resharded in its forward post-hook (unless
 it keeps its parameters for backward). Pre-hooks on the forward outputs' backward nodes
-unshard it again before its backward; a hook on the backward node of each forward input
-(a view of it, or an identity autograd function) runs once the unit's backward is done,
-which reduces its gradients. A callback queued on the autograd
-engine ends every backward: it finishes what no hook finished and resets the iteration.
+unshard it again before its backward. Once the unit's backward is done it reduces its
+gradients and reshards: when the last of its parameters has its gradient accumulated (a
+hook on each unsharded parameter, registered once), or, in a unit with frozen parameters,
+when the backward node of each forward input has run (a hook on a view of it, or an
+identity autograd function, registered at every forward). A callback queued on the
+autograd engine ends every backward: it finishes what no hook finished and resets the
+iteration.
 """
 
 from __future__ import annotations
@@ -108,7 +111,15 @@ class UnitState:
     _forward_index: int = -1  # in ctx.forward_order
     _ended_forward_before: tuple[UnitState, ...] = ()  # implicit backward prefetch
     _modules_to_run: set[nn.Module] = field(default_factory=set)
-    _pending_post_backward: int = 0  # input nodes whose backward has not run yet
+    # How this iteration's backward of the unit ends (see _hook_grad_accumulation): with its
+    # parameters' last gradient (counting down those not accumulated yet), or with the
+    # backward nodes of its forward inputs (counting down those not run yet).
+    _ends_on_last_grad: bool = False
+    _grads_pending: int = 0
+    _pending_post_backward: int = 0
+    # False once a backward ended before the unit's last gradient came (a parameter was
+    # unused): its backward ends with its inputs' nodes from then on.
+    _last_grad_ends_backward: bool = True
 
     def __post_init__(self) -> None:
         # What forward casts its floating-point inputs and outputs to (None: nothing), read
@@ -116,6 +127,9 @@ class UnitState:
         mp = self.mp_policy
         self._input_dtype = mp.param_dtype if mp.cast_forward_inputs else None
         self._output_dtype = mp.output_dtype
+        # The unsharded parameters that carry _grad_accumulated, by position in the unit
+        # (a new layout makes new ones).
+        self._hooked_params: list[nn.Parameter | None] = [None] * len(self.unit.params)
 
     def install_hooks(self) -> None:
         for module in self.modules:
@@ -233,7 +247,9 @@ class UnitState:
                 self.comm.prefetch(other.unit)  # overlaps this unit's compute; waited for there
                 ctx.forward_prefetched.append(other)
         if torch.is_grad_enabled():
-            args, kwargs = self._register_post_backward(args, kwargs)
+            self._ends_on_last_grad = self._hook_grad_accumulation()
+            if not self._ends_on_last_grad:
+                args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
     def _forward_prefetch_targets(self) -> list[UnitState]:
@@ -305,6 +321,27 @@ class UnitState:
         elif self.reshard_after_forward:
             self.unit.reshard(keep_post_forward=True)
 
+    def _hook_grad_accumulation(self) -> bool:
+        """Whether the unit's backward can end when the last of its parameters has its
+        gradient accumulated (hooking parameters laid out anew): when they all require grad
+        (else their gradients can be complete while a frozen parameter is still needed for
+        the inputs' gradients, as in LoRA) and earlier backwards gave them all one.
+
+        Cheaper than hooking the inputs at every forward (a view, a node, a hook), and a
+        unit's backward, once its parameters have their gradients, no longer reads them:
+        every node that did computed a gradient for them."""
+        if not self._last_grad_ends_backward:
+            return False
+        hooked = self._hooked_params
+        for i, p in enumerate(self.unit.params):
+            param = p.unsharded
+            if not param.requires_grad:
+                return False
+            if hooked[i] is not param:
+                param.register_post_accumulate_grad_hook(self._grad_accumulated)
+                hooked[i] = param
+        return True
+
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -347,6 +384,7 @@ class UnitState:
         if self.phase is not PRE_BACKWARD:
             assert PRE_BACKWARD in self.phase.next, self._bad_transition(PRE_BACKWARD)
             self.phase = PRE_BACKWARD
+            self._grads_pending = len(self.unit.params)
             if not self.ctx.final_callback_queued:
                 self._queue_final_callback()
         if self.unshard_in_backward:
@@ -356,6 +394,15 @@ class UnitState:
             # Not one whose backward is done already (gathered again for nothing).
             if other.unshard_in_backward and other.phase is not POST_BACKWARD:
                 self.comm.prefetch(other.unit)  # overlaps this unit's gradient computation
+
+    def _grad_accumulated(self, _param: nn.Parameter) -> None:
+        """Run after each parameter's gradient is accumulated: the unit's backward is done
+        with the last (when it ends so, see _hook_grad_accumulation)."""
+        if self._ends_on_last_grad and self.phase is PRE_BACKWARD:
+            self._grads_pending -= 1
+            if not self._grads_pending:
+                self.phase = POST_BACKWARD
+                self._reduce_and_reshard()
 
     def post_backward(self, *_grads: Any) -> None:
         """Run once the unit's backward is done: every forward's input node has run (as a
@@ -385,8 +432,10 @@ class UnitState:
         (the same on every rank), and start the next iteration from IDLE."""
         for state in self.ctx.states:
             if state.phase is not POST_BACKWARD:
-                # Reached by no identity function (inputs without grad), or holding
-                # gradients from backwards without sync while not run this time.
+                # Reached by no hook (inputs without grad, parameters without a gradient),
+                # or holding gradients from backwards without sync while not run this time.
+                if state.phase is PRE_BACKWARD and state._ends_on_last_grad and state.unit.params:
+                    state._last_grad_ends_backward = False  # a parameter got no gradient
                 if state.phase is PRE_BACKWARD or state.unit.has_unsharded_grads():
                     state._reduce_and_reshard()
                 elif state.reshard_after_backward:

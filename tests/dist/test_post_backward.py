@@ -1,0 +1,143 @@
+"""When a unit's backward ends: with the last gradient accumulated into its parameters, or,
+in a unit with frozen parameters or parameters a backward left without a gradient, with
+the backward of its forward inputs. Either way the unit reduces and reshards as soon as it
+is done (the reduce-scatters in torch's order) and trains like single-process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from fsdp_compose import fully_shard
+from tests.dist.parity import per_block, train_and_compare
+from tests.dist.test_prefetch import GatherOrder, mse_loss
+from tests.models import MLP, feature_batch
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update. Autograd computes the update's
+    gradients before the frozen weight's part of the input gradient, which still needs the
+    unsharded weight: the unit must not reshard once its trainable parameters have theirs."""
+
+    def __init__(self, dim_in: int, dim_out: int, rank: int = 2) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim_in, dim_out)
+        self.base.requires_grad_(False)
+        self.down = nn.Linear(dim_in, rank, bias=False)
+        self.up = nn.Linear(rank, dim_out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+class LoRAMLP(nn.Module):
+    def __init__(self, dims: tuple[int, ...] = (8, 7, 5, 3)) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LoRALinear(a, b) for a, b in zip(dims, dims[1:]))
+        self.head = nn.Linear(dims[-1], 1)  # trainable, in the root unit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = F.relu(layer(x))
+        return self.head(x)
+
+
+def check_lora_parity() -> tuple[float, float]:
+    return train_and_compare(LoRAMLP, mse_loss, feature_batch, steps=4)
+
+
+def test_units_with_frozen_parameters_train_like_single_process_and_torch(ranks):
+    vs_reference, vs_torch = ranks.run(check_lora_parity, world_size=2)[0]
+    assert vs_torch == 0.0 and vs_reference < 1e-6
+
+
+class SometimesExtra(nn.Linear):
+    """A linear layer with an extra bias that only some forwards add."""
+
+    def __init__(self, dim_in: int, dim_out: int) -> None:
+        super().__init__(dim_in, dim_out)
+        self.extra = nn.Parameter(torch.zeros(dim_out))
+        self.use_extra = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y + self.extra if self.use_extra else y
+
+
+class SometimesUnused(MLP):
+    """Layer 1's extra bias is used in every other forward only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[1] = SometimesExtra(7, 5)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.layers[1].use_extra = self.calls % 2 == 0
+        self.calls += 1
+        return super().forward(x)
+
+
+def check_sometimes_unused_parity() -> tuple[float, float]:
+    return train_and_compare(SometimesUnused, mse_loss, feature_batch, steps=4)
+
+
+def test_parameters_without_gradient_in_some_steps_train_like_single_process_and_torch(ranks):
+    vs_reference, vs_torch = ranks.run(check_sometimes_unused_parity, world_size=2)[0]
+    assert vs_torch == 0.0 and vs_reference < 1e-6
+
+
+def backward_orders(make_model, shard, steps: int) -> list[list[int | str]]:
+    """Per step, the backward's all-gathers, reduce-scatters and matrix multiplies."""
+    torch.manual_seed(0)
+    model = make_model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    per_block(model, lambda m, **kw: shard(m, mesh=mesh, **kw))
+    orders = []
+    for step in range(steps):
+        loss = mse_loss(model, feature_batch(step, 2))
+        with GatherOrder(reduce_scatters=True) as order:
+            loss.backward()
+        orders.append(order.sizes)
+    return orders
+
+
+def check_lora_order() -> tuple[list, list]:
+    return tuple(backward_orders(LoRAMLP, shard, steps=2)
+                 for shard in (fully_shard, torch_fully_shard))
+
+
+def test_units_with_frozen_parameters_reduce_after_their_inputs_backward(ranks):
+    """The LoRA units reduce where torch's do, after their inputs' backward; the root,
+    whose parameters (the head) all train, as soon as they have their gradients."""
+    ours, theirs = ranks.run(check_lora_order, world_size=2)[0]
+    rs_root = "RS8"  # the head's 3 + 1 parameters, padded for 2 ranks
+    for step_ours, step_theirs in zip(ours, theirs):
+        assert step_ours[:4] == [42, "mm", "mm", rs_root], step_ours
+        assert step_theirs[-2] == rs_root, step_theirs
+        assert without(rs_root, step_ours) == without(rs_root, step_theirs)
+
+
+def check_sometimes_unused_order() -> tuple[list, list]:
+    return tuple(backward_orders(SometimesUnused, shard, steps=4)
+                 for shard in (fully_shard, torch_fully_shard))
+
+
+def test_a_unit_that_left_a_parameter_without_gradient_reduces_after_its_inputs(ranks):
+    """Step 1 uses every parameter: each unit reduces with its last gradient, in torch's
+    order. Step 2 leaves layer 1's extra parameter without one: the unit reduces at the end
+    of backward. From then on it reduces once its inputs' backward ran, as torch does."""
+    ours, theirs = ranks.run(check_sometimes_unused_order, world_size=2)[0]
+    assert ours[0] == theirs[0]
+    rs_layer1 = "RS48"  # the weight and bias without the extra, padded for 2 ranks
+    assert ours[1][-1] == rs_layer1 and theirs[1][-1] != rs_layer1, (ours[1], theirs[1])
+    assert without(rs_layer1, ours[1]) == without(rs_layer1, theirs[1])
+    assert ours[2:] == theirs[2:]
+
+
+def without(item: str, order: list[int | str]) -> list[int | str]:
+    return [x for x in order if x != item]
