@@ -425,12 +425,22 @@ class InPlaceLinear(nn.Linear):
         return super().forward(x) * 2.0  # saves nothing the next layer's edit could spoil
 
 
-def check_in_place_edit_of_a_units_input() -> float:
+def check_in_place_edit_of_a_units_input(frozen_bias: bool) -> float:
+    def make_model() -> nn.Module:
+        model = InPlaceOnInput()
+        for layer in model.layers:
+            layer.bias.requires_grad_(not frozen_bias)
+        return model
+
     # torch's fully_shard refuses this (its input function's output is modified in place),
     # so ours runs in both seats and the reference is the single-process model.
-    return train_and_compare(InPlaceOnInput, mse_loss, feature_batch,
+    return train_and_compare(make_model, mse_loss, feature_batch,
                              shard_fns=(fully_shard, fully_shard)).vs_reference
 
 
-def test_a_unit_may_edit_its_input_in_place(ranks):
-    assert ranks.run(check_in_place_edit_of_a_units_input, world_size=2)[0] < 1e-6
+@pytest.mark.parametrize("frozen_bias", [False, True])
+def test_a_unit_may_edit_its_input_in_place(ranks, frozen_bias):
+    """Also in units with a frozen parameter, whose backward ends with a view of the input."""
+    vs_reference = ranks.run(check_in_place_edit_of_a_units_input, world_size=2,
+                             frozen_bias=frozen_bias)[0]
+    assert vs_reference < 1e-6

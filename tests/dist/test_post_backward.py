@@ -55,6 +55,45 @@ def test_units_with_frozen_parameters_train_like_single_process_and_torch(ranks)
     assert vs_torch == 0.0 and vs_reference < 1e-6
 
 
+class Gated(nn.Module):
+    """A unit of two tensor inputs, one by keyword, with a frozen bias."""
+
+    def __init__(self, dim_in: int, dim_out: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim_in, dim_out)
+        self.linear.bias.requires_grad_(False)
+        self.gate = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x: torch.Tensor, *, context: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * torch.sigmoid(self.gate(context))
+
+
+class FrozenBiases(nn.Module):
+    """Units with a frozen parameter, whose backward ends with their inputs' nodes: one
+    called with a leaf tensor that requires grad, the others with two tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 7), Gated(7, 5), Gated(5, 3)])
+        self.layers[0].bias.requires_grad_(False)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.layers[0](x.detach().requires_grad_()))
+        for layer in self.layers[1:]:
+            x = F.relu(layer(x, context=x.flip(-1)))
+        return self.head(x)
+
+
+def check_frozen_biases_parity() -> tuple[float, float]:
+    return train_and_compare(FrozenBiases, mse_loss, feature_batch)
+
+
+def test_units_with_frozen_parameters_and_leaf_or_several_inputs_train_like_torch(ranks):
+    vs_reference, vs_torch = ranks.run(check_frozen_biases_parity, world_size=2)[0]
+    assert vs_torch == 0.0 and vs_reference < 1e-6
+
+
 class SometimesExtra(nn.Linear):
     """A linear layer with an extra bias that only some forwards add."""
 
