@@ -5,6 +5,7 @@ is done (the reduce-scatters in torch's order) and trains like single-process.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -180,3 +181,28 @@ def test_a_unit_that_left_a_parameter_without_gradient_reduces_after_its_inputs(
 
 def without(item: str, order: list[int | str]) -> list[int | str]:
     return [x for x in order if x != item]
+
+
+class DetachedAlias(nn.Linear):
+    """Reads its weight through a detached alias whose backward runs after the weight's
+    gradient is accumulated (the node was made earlier in forward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = x @ self.weight.detach().t()
+        return super().forward(x) + z
+
+
+def check_detached_alias_fails_loudly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), DetachedAlias(8, 8))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    loss = model(feature_batch(0, 2)).sum()
+    with pytest.raises(RuntimeError, match="storage of size 0"):
+        loss.backward()
+
+
+def test_a_detached_alias_read_after_the_last_gradient_fails_loudly(ranks):
+    """The documented limit of units whose parameters all train: an error, not wrong values."""
+    ranks.run(check_detached_alias_fails_loudly, world_size=2)
