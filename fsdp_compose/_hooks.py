@@ -325,12 +325,14 @@ class UnitState:
         """Whether the unit's backward can end when the last of its parameters has its
         gradient accumulated (hooking parameters laid out anew): when they all require grad
         (else their gradients can be complete while a frozen parameter is still needed for
-        the inputs' gradients, as in LoRA) and earlier backwards gave them all one.
+        the inputs' gradients, as in LoRA) and earlier backwards gave them all one. Not
+        when ranks may leave different parameters without gradient
+        (reduce_scatter_unused_params): the ranks would reduce at different points.
 
         Cheaper than hooking the inputs at every forward (a view, a node, a hook), and a
         unit's backward, once its parameters have their gradients, no longer reads them:
         every node that did computed a gradient for them."""
-        if not self._last_grad_ends_backward:
+        if not self._last_grad_ends_backward or self.unit.reduce_scatter_unused_params:
             return False
         hooked = self._hooked_params
         for i, p in enumerate(self.unit.params):

@@ -122,6 +122,52 @@ def test_unused_params_reduce_zeros_where_ranks_route_differently(ranks):
     assert vs_torch == 0.0 and vs_reference < 1e-6
 
 
+class RoutedAfterLinear(nn.Module):
+    """A linear unit, then the experts unit routing by the sign of the input's first feature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), Experts()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](self.layers[0](x), route=x[:, 0])
+
+
+class RoutedExperts(Experts):
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        return super().forward(torch.cat([route[:, None], x[:, 1:]], dim=1))
+
+
+def mixed_then_one_way(step: int, batch: int) -> torch.Tensor:
+    """Rank 0's share (at W=2) routes to both experts, rank 1's only to expert b."""
+    x = feature_batch(step, batch)
+    signs = [1.0, -1.0] * (batch // 4) + [-1.0] * (batch - 2 * (batch // 4))
+    x[:, 0] = x[:, 0].abs() * torch.tensor(signs)
+    return x
+
+
+def check_unused_params_on_one_rank() -> tuple[float, float]:
+    def make_model() -> nn.Module:
+        model = RoutedAfterLinear()
+        model.layers[1] = RoutedExperts()
+        return model
+
+    def wrap(model: nn.Module, shard: Shard) -> None:
+        per_block(model, shard)
+        model.set_reduce_scatter_unused_params(True)
+
+    return train_and_compare(make_model, lambda m, x: m(x).pow(2).mean(), mixed_then_one_way,
+                             wrap=wrap)
+
+
+def test_unused_params_on_one_rank_keep_the_reduction_order(ranks):
+    """The experts unit has every gradient on rank 0 and one expert's only on rank 1: it
+    still reduces at the same point of the backward on both (after its input's gradient),
+    so the ranks issue their collectives in one order."""
+    vs_reference, vs_torch = ranks.run(check_unused_params_on_one_rank, world_size=2)[0]
+    assert vs_torch == 0.0 and vs_reference < 1e-6
+
+
 def check_all_reduce_hook() -> tuple[float, float, int]:
     calls = [0]
 
