@@ -4,11 +4,11 @@ A unit is unsharded in its forward pre-hook and resharded in its forward post-ho
 it keeps its parameters for backward). Pre-hooks on the forward outputs' backward nodes
 unshard it again before its backward. Once the unit's backward is done it reduces its
 gradients and reshards: when the last of its parameters has its gradient accumulated (a
-hook on each unsharded parameter, registered once), or, in a unit with frozen parameters,
-when the backward node of each forward input has run (a hook on a view of it, or an
-identity autograd function, registered at every forward). A callback queued on the
-autograd engine ends every backward: it finishes what no hook finished and resets the
-iteration.
+hook on each unsharded parameter, registered once), or, where that is not safe (frozen
+parameters, see _hook_grad_accumulation), when the backward node of each forward input
+has run (a hook on a view of it, or an identity autograd function, registered at every
+forward). A callback queued on the autograd engine ends every backward: it finishes what
+no hook finished and resets the iteration.
 """
 
 from __future__ import annotations
