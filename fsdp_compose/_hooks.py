@@ -3,12 +3,9 @@
 A unit is unsharded in its forward pre-hook and resharded in its forward post-hook (unless
 it keeps its parameters for backward). Pre-hooks on the forward outputs' backward nodes
 unshard it again before its backward. Once the unit's backward is done it reduces its
-gradients and reshards: when the last of its parameters has its gradient accumulated (a
-hook on each unsharded parameter, registered once), or, where that is not safe (frozen
-parameters, see _hook_grad_accumulation), when the backward node of each forward input
-has run (a hook on a view of it, or an identity autograd function, registered at every
-forward). A callback queued on the autograd engine ends every backward: it finishes what
-no hook finished and resets the iteration.
+gradients and reshards: when its last gradient is accumulated, or when the backward of
+its forward inputs ran (see _backward_done.py). A callback queued on the autograd engine
+ends every backward: it finishes what no hook finished and resets the iteration.
 """
 
 from __future__ import annotations
@@ -23,9 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ._agreement import check_ranks_agree
+from ._backward_done import hook_grad_accumulation, hook_inputs
 from ._comm_context import CommContext
 from ._policies import MixedPrecisionPolicy
 from ._unit import Unit
@@ -111,7 +109,7 @@ class UnitState:
     _forward_index: int = -1  # in ctx.forward_order
     _ended_forward_before: tuple[UnitState, ...] = ()  # implicit backward prefetch
     _modules_to_run: set[nn.Module] = field(default_factory=set)
-    # How this iteration's backward of the unit ends (see _hook_grad_accumulation): with its
+    # How this iteration's backward of the unit ends (see _ends_on_last_grad_now): with its
     # parameters' last gradient (counting down those not accumulated yet), or with the
     # backward nodes of its forward inputs (counting down those not run yet).
     _ends_on_last_grad: bool = False
@@ -247,9 +245,10 @@ class UnitState:
                 self.comm.prefetch(other.unit)  # overlaps this unit's compute; waited for there
                 ctx.forward_prefetched.append(other)
         if torch.is_grad_enabled():
-            self._ends_on_last_grad = self._hook_grad_accumulation()
+            self._ends_on_last_grad = self._ends_on_last_grad_now()
             if not self._ends_on_last_grad:
-                args, kwargs = self._register_post_backward(args, kwargs)
+                args, kwargs, hooked = hook_inputs(args, kwargs, self.post_backward)
+                self._pending_post_backward += hooked  # else the end-of-backward callback
         return args, kwargs
 
     def _forward_prefetch_targets(self) -> list[UnitState]:
@@ -321,54 +320,15 @@ class UnitState:
         elif self.reshard_after_forward:
             self.unit.reshard(keep_post_forward=True)
 
-    def _hook_grad_accumulation(self) -> bool:
-        """Whether the unit's backward can end when the last of its parameters has its
-        gradient accumulated (hooking parameters laid out anew): when they all require grad
-        (else their gradients can be complete while a frozen parameter is still needed for
-        the inputs' gradients, as in LoRA) and earlier backwards gave them all one. Not
-        when ranks may leave different parameters without gradient
-        (reduce_scatter_unused_params): the ranks would reduce at different points.
-
-        Cheaper than hooking the inputs at every forward (a view, a node, a hook), and a
-        unit's backward, once its parameters have their gradients, no longer reads them:
-        every node that did computed a gradient for them."""
+    def _ends_on_last_grad_now(self) -> bool:
+        """Whether this backward of the unit can end with its last gradient (see
+        _backward_done.py): when all its parameters require grad, earlier backwards gave
+        them all one, and ranks do not leave different ones without gradient
+        (reduce_scatter_unused_params), which would have them reduce at different points.
+        Hooks parameters laid out anew."""
         if not self._last_grad_ends_backward or self.unit.reduce_scatter_unused_params:
             return False
-        hooked = self._hooked_params
-        for i, p in enumerate(self.unit.params):
-            param = p.unsharded
-            if not param.requires_grad:
-                return False
-            if hooked[i] is not param:
-                param.register_post_accumulate_grad_hook(self._grad_accumulated)
-                hooked[i] = param
-        return True
-
-    def _register_post_backward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-            # The common case, one tensor in: no pytree walk, and unless it is a leaf
-            # (a view of which could not be modified in place), a view of it whose
-            # backward node runs post_backward: cheaper than an autograd Function.
-            x = args[0]
-            if not x.requires_grad:
-                return args, kwargs
-            self._pending_post_backward += 1
-            if x.is_leaf:
-                return _PostBackward.apply(self, x), kwargs
-            view = x.view_as(x)
-            view.grad_fn.register_hook(self.post_backward)
-            return (view,), kwargs
-        flat, spec = tree_flatten((args, kwargs))
-        where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not where:
-            return args, kwargs  # the end-of-backward callback reduces this unit
-        outs = _PostBackward.apply(self, *(flat[i] for i in where))
-        for i, out in zip(where, outs):
-            flat[i] = out
-        self._pending_post_backward += 1
-        return tree_unflatten(flat, spec)
+        return hook_grad_accumulation(self.unit.params, self._hooked_params, self._grad_accumulated)
 
     def _register_pre_backward(self, output: Any) -> None:
         if not torch.is_grad_enabled():
@@ -399,7 +359,7 @@ class UnitState:
 
     def _grad_accumulated(self, _param: nn.Parameter) -> None:
         """Run after each parameter's gradient is accumulated: the unit's backward is done
-        with the last (when it ends so, see _hook_grad_accumulation)."""
+        with the last (when it ends so, see _ends_on_last_grad_now)."""
         if self._ends_on_last_grad and self.phase is PRE_BACKWARD:
             self._grads_pending -= 1
             if not self._grads_pending:
@@ -488,22 +448,3 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(
         torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree
     )
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's forward inputs; its backward runs after the unit's backward.
-
-    The engine runs a node only when everything that feeds it is done, and the gradients
-    of the unit's inputs are the last thing its backward computes; it also runs gradient
-    accumulation into leaves (the unsharded parameters) before other ready nodes.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, state: UnitState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state = state
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.post_backward()
-        return (None, *grads)
