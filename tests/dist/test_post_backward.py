@@ -1,7 +1,9 @@
 """When a unit's backward ends: with the last gradient accumulated into its parameters, or,
 in a unit with frozen parameters or parameters a backward left without a gradient, with
 the backward of its forward inputs. Either way the unit reduces and reshards as soon as it
-is done (the reduce-scatters in torch's order) and trains like single-process."""
+is done (the reduce-scatters in torch's order) and trains like single-process; the limit
+of the first way (a detached alias of a parameter read later) fails loudly. Ranks that
+leave different parameters without gradient: test_comm_setters.py."""
 
 from __future__ import annotations
 
