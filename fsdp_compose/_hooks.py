@@ -112,6 +112,7 @@ class UnitState:
     # How this iteration's backward of the unit ends (see _ends_on_last_grad_now): with its
     # parameters' last gradient (counting down those not accumulated yet), or with the
     # backward nodes of its forward inputs (counting down those not run yet).
+    _end_hooked: bool = False  # in this iteration (a forward with grad)
     _ends_on_last_grad: bool = False
     _grads_pending: int = 0
     _pending_post_backward: int = 0
@@ -212,8 +213,13 @@ class UnitState:
         if self._input_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self._input_dtype)
         if _current_graph_task_id() != -1:  # in backward
-            # Activation checkpointing re-runs forward inside backward: only make sure the
-            # parameters are there; the pre-backward hook owns this unit's schedule.
+            # Activation checkpointing re-runs forward inside backward. After a forward with
+            # grad (non-reentrant checkpointing) the unit's hooks own its backward: only
+            # make sure the parameters are there. After one without (reentrant: the
+            # recomputation's own backward follows at once) its backward begins here.
+            if not self._end_hooked and torch.is_grad_enabled():
+                self._pre_backward(None)
+                args, kwargs = self._hook_backward_end(args, kwargs)
             self.unit.unshard()
             return args, kwargs
         if self.ctx.final_callback_queued:
@@ -227,6 +233,7 @@ class UnitState:
                 ctx.forward_root = self
                 for state in ctx.states:  # what changed since the last iteration
                     state.unit.adopt_registered()
+                    state._end_hooked = False
                 event, ctx.root.post_optim_event = ctx.root.post_optim_event, None
                 if (side := self.unit.streams) is not None:
                     side.follow_compute(event)  # gathers see the optimizer's step
@@ -245,10 +252,7 @@ class UnitState:
                 self.comm.prefetch(other.unit)  # overlaps this unit's compute; waited for there
                 ctx.forward_prefetched.append(other)
         if torch.is_grad_enabled():
-            self._ends_on_last_grad = self._ends_on_last_grad_now()
-            if not self._ends_on_last_grad:
-                args, kwargs, hooked = hook_inputs(args, kwargs, self.post_backward)
-                self._pending_post_backward += hooked  # else the end-of-backward callback
+            args, kwargs = self._hook_backward_end(args, kwargs)
         return args, kwargs
 
     def _forward_prefetch_targets(self) -> list[UnitState]:
@@ -319,6 +323,18 @@ class UnitState:
             self.unit.reshard()  # no backward can follow a forward without grad
         elif self.reshard_after_forward:
             self.unit.reshard(keep_post_forward=True)
+
+    def _hook_backward_end(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Make this iteration's backward of the unit end with its last gradient, or with
+        the backward of its inputs (returned in their place)."""
+        self._end_hooked = True
+        self._ends_on_last_grad = self._ends_on_last_grad_now()
+        if not self._ends_on_last_grad:
+            args, kwargs, hooked = hook_inputs(args, kwargs, self.post_backward)
+            self._pending_post_backward += hooked  # else the end-of-backward callback
+        return args, kwargs
 
     def _ends_on_last_grad_now(self) -> bool:
         """Whether this backward of the unit can end with its last gradient (see

@@ -1,6 +1,7 @@
-"""Activation checkpointing composes: torch.utils.checkpoint inside a unit, and torch's
-composable checkpoint before or after fully_shard train in parity with no checkpointing
-and with torch's fully_shard, and recomputation gathers nothing more."""
+"""Activation checkpointing composes: torch.utils.checkpoint inside a unit or around it
+(reentrant, too), and torch's composable checkpoint before or after fully_shard train in
+parity with no checkpointing and with torch's fully_shard, recomputation gathers nothing
+more, and each block is freed once its backward is done."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as checkpoint_call
 
 from fsdp_compose import checkpoint_blocks
+from fsdp_compose._hooks import state_of
 from tests.dist.parity import Shard, per_block, train_and_compare
 from tests.dist.test_collectives import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter, first_forward
 from tests.models import Block, Transformer, lm_loss, token_batch
@@ -28,6 +30,24 @@ class CheckpointedMLPBlock(Block):
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         mlp = lambda h: self.fc2(nn.functional.gelu(self.fc1(self.norm2(h))))  # noqa: E731
         return x + checkpoint_call(mlp, x, use_reentrant=False)
+
+
+class ReentrantTransformer(Transformer):
+    """Each block under reentrant torch.utils.checkpoint (as Hugging Face models do): its
+    forward runs without grad, and backward recomputes it and runs its own backward."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(tokens) + self.pos_emb[: tokens.shape[1]]
+        for block in self.blocks:
+            x = checkpoint_call(block, x, use_reentrant=True)
+        return self.head(self.norm(x))
+
+
+def reentrant_transformer(frozen_norms: bool = False) -> Transformer:
+    model = ReentrantTransformer(depth=3)
+    for block in model.blocks:
+        block.norm1.requires_grad_(not frozen_norms)  # frozen: the inputs' nodes end a block
+    return model
 
 
 def transformer_with_inner_checkpoint() -> Transformer:
@@ -52,6 +72,8 @@ def check_checkpointing_parity() -> list[tuple[float, float]]:
         train_and_compare(transformer_with_inner_checkpoint, lm_loss, token_batch),
         train_and_compare(lambda: Transformer(depth=3), lm_loss, token_batch, wrap=checkpoint_before),
         train_and_compare(lambda: Transformer(depth=3), lm_loss, token_batch, wrap=checkpoint_after),
+        train_and_compare(reentrant_transformer, lm_loss, token_batch),
+        train_and_compare(lambda: reentrant_transformer(frozen_norms=True), lm_loss, token_batch),
     ]
 
 
@@ -89,6 +111,7 @@ def check_recomputation_gathers_nothing_more() -> list[dict]:
         count_backward(transformer_with_inner_checkpoint, per_block),
         count_backward(plain, checkpoint_before),
         count_backward(plain, checkpoint_after),
+        count_backward(reentrant_transformer, per_block),
     ]
 
 
@@ -96,9 +119,34 @@ def test_recomputation_gathers_nothing_more(ranks):
     counts = ranks.run(check_recomputation_gathers_nothing_more, world_size=2)[0]
     # 3 resharded blocks gathered again for backward (the root kept its parameters),
     # however many Linear layers are recomputed: none; 2 per block in the checkpointed MLP
-    # halves; 4 per block in blocks 0 and 2; 4 in each of the 3 blocks.
-    assert [c.pop("recomputed") for c in counts] == [0, 6, 8, 12]
-    assert counts == [{ALL_GATHER: 3, REDUCE_SCATTER: 4}] * 4
+    # halves; 4 per block in blocks 0 and 2; 4 in each of the 3 blocks, twice.
+    assert [c.pop("recomputed") for c in counts] == [0, 6, 8, 12, 12]
+    assert counts == [{ALL_GATHER: 3, REDUCE_SCATTER: 4}] * 5
+
+
+def most_blocks_unsharded_in_backward(frozen_norms: bool) -> int:
+    from fsdp_compose import fully_shard
+
+    torch.manual_seed(0)
+    model = reentrant_transformer(frozen_norms)
+    per_block(model, fully_shard)
+    unsharded = []
+    for block in model.blocks:  # after our pre-hook: the block's own parameters count
+        block.register_forward_pre_hook(lambda *_: unsharded.append(
+            sum(state_of(b).unit.is_unsharded for b in model.blocks)))
+    for step in range(2):
+        lm_loss(model, token_batch(step, 2)).backward()
+    return max(unsharded)
+
+
+def check_reentrant_recomputation_frees_each_block() -> list[int]:
+    return [most_blocks_unsharded_in_backward(frozen) for frozen in (False, True)]
+
+
+def test_reentrant_recomputation_frees_each_block_after_its_backward(ranks):
+    """The recomputation is where a reentrant-checkpointed block's backward begins: it is
+    freed and reduced once that backward is done, not at the end of the whole backward."""
+    assert ranks.run(check_reentrant_recomputation_frees_each_block, world_size=2)[0] == [1, 1]
 
 
 def test_checkpoint_blocks_errors():
