@@ -33,8 +33,8 @@ class CheckpointedMLPBlock(Block):
 
 
 class ReentrantTransformer(Transformer):
-    """Each block under reentrant torch.utils.checkpoint (as Hugging Face models do): its
-    forward runs without grad, and backward recomputes it and runs its own backward."""
+    """Each block under reentrant torch.utils.checkpoint: its forward runs without grad,
+    and backward recomputes it and runs the recomputation's own backward."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(tokens) + self.pos_emb[: tokens.shape[1]]
