@@ -112,7 +112,7 @@ class UnitState:
     # How this iteration's backward of the unit ends (see _ends_on_last_grad_now): with its
     # parameters' last gradient (counting down those not accumulated yet), or with the
     # backward nodes of its forward inputs (counting down those not run yet).
-    _end_hooked: bool = False  # in this iteration (a forward with grad)
+    _hooked_in_forward: bool = False  # this iteration's (a forward with grad)
     _ends_on_last_grad: bool = False
     _grads_pending: int = 0
     _pending_post_backward: int = 0
@@ -217,9 +217,9 @@ class UnitState:
             # grad (non-reentrant checkpointing) the unit's hooks own its backward: only
             # make sure the parameters are there. After one without (reentrant: the
             # recomputation's own backward follows at once) its backward begins here.
-            if not self._end_hooked and torch.is_grad_enabled():
+            if not self._hooked_in_forward and torch.is_grad_enabled():
                 self._pre_backward(None)
-                args, kwargs = self._hook_backward_end(args, kwargs)
+                args, kwargs = self._hook_backward_end(args, kwargs)  # at every call
             self.unit.unshard()
             return args, kwargs
         if self.ctx.final_callback_queued:
@@ -233,7 +233,7 @@ class UnitState:
                 ctx.forward_root = self
                 for state in ctx.states:  # what changed since the last iteration
                     state.unit.adopt_registered()
-                    state._end_hooked = False
+                    state._hooked_in_forward = False
                 event, ctx.root.post_optim_event = ctx.root.post_optim_event, None
                 if (side := self.unit.streams) is not None:
                     side.follow_compute(event)  # gathers see the optimizer's step
@@ -252,6 +252,7 @@ class UnitState:
                 self.comm.prefetch(other.unit)  # overlaps this unit's compute; waited for there
                 ctx.forward_prefetched.append(other)
         if torch.is_grad_enabled():
+            self._hooked_in_forward = True
             args, kwargs = self._hook_backward_end(args, kwargs)
         return args, kwargs
 
@@ -329,7 +330,6 @@ class UnitState:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Make this iteration's backward of the unit end with its last gradient, or with
         the backward of its inputs (returned in their place)."""
-        self._end_hooked = True
         self._ends_on_last_grad = self._ends_on_last_grad_now()
         if not self._ends_on_last_grad:
             args, kwargs, hooked = hook_inputs(args, kwargs, self.post_backward)
