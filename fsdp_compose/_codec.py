@@ -3,9 +3,12 @@ rebuilt from what every rank sent (the float8 / NF4 all-gather pattern)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from ._param import ShardedParam
 
 
 class AllGatherCodec(Protocol):
@@ -41,3 +44,37 @@ class Int8RowCodec:
         scales = encoded[:, rows * row_numel : rows * row_numel + 4 * rows]  # then padding
         scale = scales.contiguous().view(torch.float32).view(ranks, rows, 1)
         out.view(ranks, rows, row_numel).copy_(quantized.float() * scale)
+
+
+def encode_shards(
+    params: list[ShardedParam], codecs: dict[ShardedParam, AllGatherCodec],
+    device: torch.device, param_dtype: torch.dtype,
+) -> tuple[torch.Tensor, list[int]]:
+    """The bytes a rank sends when some of a unit's parameters have codecs, and each
+    parameter's share of them: its encoding (or its shard in `param_dtype`), padded to 8
+    bytes so that every piece of the gathered rows can be viewed in any dtype again."""
+    pieces = []
+    for p in params:
+        shard = p.padded_shard.to(device, non_blocking=True)
+        codec = codecs.get(p)
+        if codec is None:
+            data = shard.to(param_dtype)
+        else:
+            data = codec.encode(shard, p.layout.padded_rows, p.layout.row_numel)
+        data = data.reshape(-1).view(torch.uint8)
+        pieces.append(torch.nn.functional.pad(data, (0, -data.numel() % 8)))
+    return torch.cat(pieces), [piece.numel() for piece in pieces]
+
+
+def decode_rows(
+    gathered: torch.Tensor, sizes: list[int], params: list[ShardedParam],
+    codecs: dict[ShardedParam, AllGatherCodec], outs: list[torch.Tensor],
+) -> None:
+    """Write each parameter's unsharded rows into `outs` from the gathered bytes (row r:
+    rank r's encode_shards)."""
+    for out, p, data in zip(outs, params, gathered.split(sizes, dim=1)):
+        codec = codecs.get(p)
+        if codec is None:
+            out.copy_(data[:, : out.shape[1] * out.element_size()].view(out.dtype))
+        else:
+            codec.decode(data, out, p.layout.padded_rows, p.layout.row_numel)

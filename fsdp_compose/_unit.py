@@ -16,7 +16,7 @@ from ._collectives import (
     CustomComm, GradReduction, all_gather, all_reduce, allocate, collective_failed,
     grad_reduction, reduce_scatter,
 )
-from ._codec import AllGatherCodec
+from ._codec import AllGatherCodec, decode_rows, encode_shards
 from ._param import Registration, ShardedParam
 from ._partial_sums import PartialSums
 from ._streams import side_streams
@@ -30,7 +30,7 @@ class _Gather(NamedTuple):
     rows: int  # ranks gathered from
     sizes: list[int]  # each parameter's padded shard, per row (bytes if encoded)
     from_post_forward: bool
-    encoded: bool  # uint8 rows of codec encodings; see _encode
+    encoded: bool  # uint8 rows of codec encodings; see encode_shards
     inputs: list[torch.Tensor] | None  # kept until waited for; see _streams.py
 
 
@@ -186,7 +186,8 @@ class Unit:
         if inputs is not None:
             shards = torch.cat(inputs)
         elif self.codecs:
-            (shards, sizes), encoded = self._encode(), True
+            shards, sizes = encode_shards(self.params, self.codecs, self.device, self.param_dtype)
+            encoded = True
         else:
             shards, spec = self._flat_shard(), self._gather_spec
         if spec is None:
@@ -288,7 +289,9 @@ class Unit:
         for storage, nbytes in self._unsharded_storages:
             storage.resize_(nbytes)
         if gather.encoded:
-            self._decode(gather)
+            decode_rows(
+                gather.gathered, gather.sizes, self.params, self.codecs, self._gather_targets
+            )
         else:
             torch.split_with_sizes_copy(
                 gather.gathered,
@@ -307,31 +310,6 @@ class Unit:
             for p in self.params:
                 p.to_unsharded()
         self.is_unsharded = True
-
-    def _encode(self) -> tuple[torch.Tensor, list[int]]:
-        """The bytes this rank sends when some parameters have codecs: each parameter's
-        encoding (or its shard in param_dtype), padded to 8 bytes so that every piece of
-        the gathered rows can be viewed in any dtype again."""
-        pieces = []
-        for p in self.params:
-            shard = p.padded_shard.to(self.device, non_blocking=True)
-            codec = self.codecs.get(p)
-            if codec is None:
-                data = shard.to(self.param_dtype)
-            else:
-                data = codec.encode(shard, p.layout.padded_rows, p.layout.row_numel)
-            data = data.reshape(-1).view(torch.uint8)
-            pieces.append(torch.nn.functional.pad(data, (0, -data.numel() % 8)))
-        return torch.cat(pieces), [piece.numel() for piece in pieces]
-
-    def _decode(self, gather: _Gather) -> None:
-        rows = gather.gathered.split(gather.sizes, dim=1)
-        for out, p, data in zip(self._gather_targets, self.params, rows):
-            codec = self.codecs.get(p)
-            if codec is None:
-                out.copy_(data[:, : out.shape[1] * out.element_size()].view(out.dtype))
-            else:
-                codec.decode(data, out, p.layout.padded_rows, p.layout.row_numel)
 
     def reshard(self, keep_post_forward: bool = False) -> None:
         """Register the sharded parameters again and free the unsharded data; with
@@ -574,7 +552,6 @@ class Unit:
     def _zeros(self, p: ShardedParam) -> torch.Tensor:
         """A gradient for a parameter only an earlier HSDP reduction saw."""
         return torch.zeros(p.layout.shape, dtype=p.param_dtype, device=self.device)
-
 
 
 def _forms_by_owner(registrations: Iterable[Registration]) -> list[_OwnerForms]:
