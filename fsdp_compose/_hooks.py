@@ -118,7 +118,7 @@ class UnitState:
     _pending_post_backward: int = 0
     # False once a backward ended before the unit's last gradient came (a parameter was
     # unused): its backward ends with its inputs' nodes from then on.
-    _last_grad_ends_backward: bool = True
+    _every_param_got_grads: bool = True
 
     def __post_init__(self) -> None:
         # What forward casts its floating-point inputs and outputs to (None: nothing), read
@@ -342,7 +342,7 @@ class UnitState:
         them all one, and ranks do not leave different ones without gradient
         (reduce_scatter_unused_params), which would have them reduce at different points.
         Hooks parameters laid out anew."""
-        if not self._last_grad_ends_backward or self.unit.reduce_scatter_unused_params:
+        if not self._every_param_got_grads or self.unit.reduce_scatter_unused_params:
             return False
         return hook_grad_accumulation(self.unit.params, self._hooked_params, self._grad_accumulated)
 
@@ -413,7 +413,7 @@ class UnitState:
                 # Reached by no hook (inputs without grad, parameters without a gradient),
                 # or holding gradients from backwards without sync while not run this time.
                 if state.phase is PRE_BACKWARD and state._ends_on_last_grad and state.unit.params:
-                    state._last_grad_ends_backward = False  # a parameter got no gradient
+                    state._every_param_got_grads = False  # a parameter got no gradient
                 if state.phase is PRE_BACKWARD or state.unit.has_unsharded_grads():
                     state._reduce_and_reshard()
                 elif state.reshard_after_backward:
