@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed._composable import checkpoint
+from torch.distributed._composable.checkpoint_activation import checkpoint
 
 
 def checkpoint_blocks(model: nn.Module, block_class: type[nn.Module], every: int = 1) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 
@@ -39,6 +41,8 @@ class ReusedBuffer:
             self._storage, self._nbytes = tensor.untyped_storage(), tensor.nbytes
             self._spec = spec
             return tensor
+        if TYPE_CHECKING:  # set with the spec; checked for mypy only (a cast costs a call here)
+            assert self._storage is not None and self._tensor is not None
         self._storage.resize_(self._nbytes)
         return self._tensor
 

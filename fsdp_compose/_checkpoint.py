@@ -7,18 +7,19 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ._collectives import barrier
 
@@ -50,7 +51,7 @@ def save_checkpoint(
     if _is_first_rank():
         shutil.rmtree(staging, ignore_errors=True)  # a save that crashed before
     barrier()
-    dcp.save(state, storage_writer=FileSystemWriter(staging))
+    dcp_save(state, storage_writer=FileSystemWriter(staging))
     if _is_first_rank():
         replaced = path.with_name(path.name + REPLACED)
         shutil.rmtree(replaced, ignore_errors=True)
@@ -98,7 +99,7 @@ def load_checkpoint(
     has_step = "step" in metadata.state_dict_metadata
     if has_step:
         state["step"] = torch.tensor(0)
-    dcp.load(state, storage_reader=reader)
+    dcp_load(state, storage_reader=reader)
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -113,10 +114,12 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike[str]) -> None:
     from safetensors.torch import save_file  # an optional dependency: fsdp_compose[hf]
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    whole = get_model_state_dict(model, options=options)
+    # Whole tensors (parameters and buffers, gathered): no DTensors or nested values.
+    whole = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
     if not _is_first_rank():
         return
-    tensors, seen = {}, set()
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
     for key, tensor in whole.items():
         # safetensors stores no aliases: tied weights are written as copies.
         shared = tensor.untyped_storage().data_ptr() in seen
@@ -186,7 +189,8 @@ class _MetadataCheckingReader(FileSystemReader):
             metadata = _MetadataUnpickler(file).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError("load_checkpoint: .metadata holds no checkpoint metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
+        storage_meta: StorageMeta | None = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
         return metadata

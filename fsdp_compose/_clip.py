@@ -65,9 +65,10 @@ def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
             stacked = torch.stack(norms)
             part = stacked.max() if is_max else stacked.pow(norm_type).sum()
         if dims:
+            assert mesh is not None  # dims come with a DTensor's mesh (_shard_dims)
             part = part.to(mesh_device(mesh))  # CPU-offloaded gradients reduce on the mesh's device
-        for dim in dims:
-            all_reduce(part, ReduceOp.MAX if is_max else ReduceOp.SUM, mesh.get_group(dim))
+            for dim in dims:
+                all_reduce(part, ReduceOp.MAX if is_max else ReduceOp.SUM, mesh.get_group(dim))
         parts.append(part)
     combined = torch.stack([part.to(parts[0].device) for part in parts])
     return combined.max() if is_max else combined.sum().pow(1.0 / norm_type)

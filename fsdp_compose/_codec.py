@@ -72,7 +72,7 @@ def decode_rows(
 ) -> None:
     """Write each parameter's unsharded rows into `outs` from the gathered bytes (row r:
     rank r's encode_shards)."""
-    for out, p, data in zip(outs, params, gathered.split(sizes, dim=1)):
+    for out, p, data in zip(outs, params, torch.split(gathered, sizes, dim=1)):
         codec = codecs.get(p)
         if codec is None:
             out.copy_(data[:, : out.shape[1] * out.element_size()].view(out.dtype))

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
-from torch.distributed.distributed_c10d import AllgatherOptions
+from torch._C._distributed_c10d import AllgatherOptions  # where torch.distributed has it from
 
 
 class GradReduction(NamedTuple):
@@ -27,7 +27,7 @@ class GradReduction(NamedTuple):
     post_divide: float | None
     # The process group's options for `op`, synchronous and asynchronous, built once:
     # hashing a ReduceOp to look them up per call costs more than the rest of the call.
-    scatter_options: tuple[dist.ReduceScatterOptions, dist.ReduceScatterOptions] = ()
+    scatter_options: tuple[dist.ReduceScatterOptions, ...] = ()
 
 
 def _reduction(
@@ -85,7 +85,8 @@ def allocate(
 ) -> torch.Tensor:
     """A communication buffer, from the custom comm's allocator when it has one."""
     if comm is not None and hasattr(comm, "allocate"):
-        return comm.allocate(size, dtype=dtype, device=device)
+        buffer: torch.Tensor = comm.allocate(size, dtype=dtype, device=device)
+        return buffer
     return torch.empty(size, dtype=dtype, device=device)
 
 
@@ -109,7 +110,10 @@ def all_gather(
         # The process group's own method, which dist.all_gather_single calls after checks
         # that cost more than the rest of a unit's unshard (our tensors are flat and ours).
         work = group.all_gather_single(output, shard, _ALL_GATHER_OPTIONS[async_op])
-    return work if async_op else _waited(work)
+    if async_op:
+        return work
+    _waited(work)
+    return None
 
 
 def reduce_scatter(
@@ -131,11 +135,14 @@ def reduce_scatter(
         work = group.reduce_scatter_single(
             output, input, reduction.scatter_options[async_op]
         )
-    return work if async_op else _waited(work)
+    if async_op:
+        return work
+    _waited(work)
+    return None
 
 
 def _waited(work: dist.Work | None) -> None:
-    """Wait for `work` (None: done already); a synchronous caller gets None back."""
+    """Wait for `work` (None: done already); a synchronous caller returns None after."""
     if work is not None:
         work.wait()
 
@@ -153,7 +160,7 @@ _ALL_GATHER_OPTIONS = (_all_gather_options(False), _all_gather_options(True))
 
 def _reduce_scatter_options(op: ReduceOp.RedOpType, async_op: bool) -> dist.ReduceScatterOptions:
     options = dist.ReduceScatterOptions()
-    options.reduceOp = op
+    options.reduceOp = ReduceOp(op)  # what assigning `op` converts it to
     options.asyncOp = async_op
     return options
 

@@ -29,17 +29,27 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager
+from typing import Protocol, cast
 
 import torch
+
+
+class _DeviceModule(Protocol):
+    """What we use of a device's module (torch.cuda, torch.xpu, ...)."""
+
+    def Stream(self, device: torch.device, priority: int = 0) -> torch.Stream: ...
+
+    def current_stream(self, device: torch.device) -> torch.Stream: ...
+
+    def stream(self, stream: torch.Stream) -> AbstractContextManager[object]: ...
 
 
 class SideStreams:
     """One device's all-gather and reduce-scatter streams, and the latest copy-out event."""
 
     def __init__(self, device: torch.device) -> None:
-        self._module: Any = torch.get_device_module(device)
+        self._module = cast(_DeviceModule, torch.get_device_module(device))
         self.device = device
         # High priority, as their kernels are short and others wait for them.
         self.all_gather = self._module.Stream(device, priority=-1)
