@@ -82,6 +82,12 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Squared error of the output against the first feature of `x` (batch, ..., features),
+    in `x`'s dtype: a bf16 or fp16 output (mixed precision) is compared in float32."""
+    return (model(x).to(x.dtype) - x[..., :1]).pow(2).mean()
+
+
 def token_batch(step: int, batch: int, seq: int = 6, vocab: int = 31) -> torch.Tensor:
     """The same tokens on every rank for a given step."""
     return torch.randint(vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(step))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 Shard = Callable[..., object]  # fully_shard or torch's, with the same signature
+LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
 class ParityErrors(NamedTuple):
@@ -81,9 +82,73 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def rank_share(batch: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a batch that every rank holds whole: its chunk of dim 0."""
+    return batch.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def backward(
+    models: Sequence[nn.Module],
+    batch: torch.Tensor,
+    loss_fn: LossFn,
+    share: Callable[[torch.Tensor], torch.Tensor] = rank_share,
+) -> list[torch.Tensor]:
+    """The reference (`models[0]`) computes `loss_fn` on the whole batch, every other model
+    on this rank's `share` of it; then each loss's backward. Returns the losses."""
+    ref, *sharded = models
+    losses = [loss_fn(ref, batch), *(loss_fn(model, share(batch)) for model in sharded)]
+    for loss in losses:
+        loss.backward()
+    return losses
+
+
+def optimizer_step(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    for optim in optimizers:
+        optim.step()
+        optim.zero_grad()
+
+
+def whole_pairs(
+    model: nn.Module, other: nn.Module, grads: bool = False
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, `model`'s, `other`'s) per parameter, whole, or with `grads` per gradient: after
+    asserting the same names in the same order and, for gradients, one on both or neither
+    (a parameter that has none on both is left out)."""
+    ours, theirs = dict(model.named_parameters()), dict(other.named_parameters())
+    assert list(ours) == list(theirs), "parameter names changed"
+    pairs = []
+    for fqn, p in ours.items():
+        a, b = (p.grad, theirs[fqn].grad) if grads else (p, theirs[fqn])
+        assert (a is None) == (b is None), fqn
+        if a is not None:
+            a, b = full(a), full(b)
+            assert a.shape == b.shape, (fqn, a.shape, b.shape)
+            pairs.append((fqn, a, b))
+    return pairs
+
+
+def assert_close_to(
+    model: nn.Module, ref: nn.Module, grads: bool = False, where: object = "", **tolerance: float
+) -> float:
+    """assert_close of every parameter of `model` (with `grads`, every gradient), whole, to
+    `ref`'s of the same name (see `whole_pairs`); returns the largest difference."""
+    kind = "grad" if grads else "param"
+    worst = 0.0
+    for fqn, a, b in whole_pairs(model, ref, grads):
+        torch.testing.assert_close(a, b, msg=lambda m: f"{kind} {fqn} {where}: {m}", **tolerance)
+        worst = max(worst, max_diff(a, b))
+    return worst
+
+
+def max_diff_to(model: nn.Module, other: nn.Module, grads: bool = False) -> float:
+    """The largest difference between the parameters (with `grads`, the gradients) of two
+    models, whole (see `whole_pairs`); 0.0 where they are equal."""
+    return max((max_diff(a, b) for _, a, b in whole_pairs(model, other, grads)), default=0.0)
+
+
 def train_and_compare(
     make_model: Callable[[], nn.Module],
-    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    loss_fn: LossFn,
     make_batch: Callable[[int, int], torch.Tensor],
     steps: int = 3,
     wrap: Callable[[nn.Module, Shard], None] = per_block,
@@ -100,18 +165,14 @@ def train_and_compare(
     pass another. `shard_fns`: ours and torch's annotation functions.
     """
     tolerance = reference_tolerance or {}
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     models = three_models(make_model, make_mesh(mesh_shape), wrap, shard_fns, **shard_kwargs)
     ref, ours, theirs = models
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in models]
     vs_ref = vs_torch = 0.0
     for step in range(steps):
-        batch = make_batch(step, 2 * world)
-        ref_loss = loss_fn(ref, batch)  # the reference sees all the data
-        local = batch.chunk(world)[rank]  # each rank sees its share
-        our_loss, their_loss = loss_fn(ours, local), loss_fn(theirs, local)
-        for loss in (ref_loss, our_loss, their_loss):
-            loss.backward()
+        # The reference sees all the data, each rank's models their share.
+        ref_loss, our_loss, their_loss = backward(models, make_batch(step, 2 * world), loss_fn)
         global_loss = our_loss.detach().clone()
         dist.all_reduce(global_loss)
         torch.testing.assert_close(
@@ -119,23 +180,9 @@ def train_and_compare(
             msg=lambda m: f"loss {step}: {m}", **tolerance,
         )
         vs_torch = max(vs_torch, max_diff(our_loss, their_loss))
-        named = [dict(m.named_parameters()) for m in models]
-        assert list(named[1]) == list(named[0]) == list(named[2]), "parameter names changed"
-        for fqn, p in named[1].items():
-            ref_p, their_p = named[0][fqn], named[2][fqn]
-            assert (p.grad is None) == (ref_p.grad is None) == (their_p.grad is None), fqn
-            if p.grad is not None:
-                torch.testing.assert_close(
-                    full(p.grad), ref_p.grad, msg=lambda m: f"grad {fqn} {step}: {m}", **tolerance
-                )
-                vs_torch = max(vs_torch, max_diff(full(p.grad), full(their_p.grad)))
-        for optim in optims:
-            optim.step()
-            optim.zero_grad()
-        for fqn, p in named[1].items():
-            torch.testing.assert_close(
-                full(p), named[0][fqn], msg=lambda m: f"param {fqn} {step}: {m}", **tolerance
-            )
-            vs_ref = max(vs_ref, max_diff(full(p), named[0][fqn]))
-            vs_torch = max(vs_torch, max_diff(full(p), full(named[2][fqn])))
+        assert_close_to(ours, ref, grads=True, where=step, **tolerance)
+        vs_torch = max(vs_torch, max_diff_to(ours, theirs, grads=True))
+        optimizer_step(optims)
+        vs_ref = max(vs_ref, assert_close_to(ours, ref, where=step, **tolerance))
+        vs_torch = max(vs_torch, max_diff_to(ours, theirs))
     return ParityErrors(vs_ref, vs_torch)

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard, replicate
 from tests.dist.test_collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveCounter, first_forward
-from tests.models import MLP, feature_batch
+from tests.models import MLP, feature_batch, mse_loss
 
 # Every dim 0 divides 2 and 4, so no padding: the buffers are exactly the parameters.
 DIMS = (8, 8, 8, 4)
@@ -30,7 +30,7 @@ def one_step_bytes(shard) -> tuple[int, dict[str, int]]:
     x = feature_batch(0, 4)
     first_forward(model, x)
     with CollectiveCounter() as comms:
-        (model(x) - x[:, :1]).pow(2).mean().backward()
+        mse_loss(model, x).backward()
     return numel, dict(comms.bytes)
 
 

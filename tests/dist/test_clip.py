@@ -10,22 +10,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from fsdp_compose import clip_grad_norm_
-from tests.dist.parity import make_mesh, three_models
-from tests.models import MLP, feature_batch
-
-
-def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return (model(x) - x[:, :1]).pow(2).mean()
+from tests.dist.parity import assert_close_to, backward, make_mesh, three_models
+from tests.models import MLP, feature_batch, mse_loss
 
 
 def check_clip_on_a_1d_mesh() -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     for norm_type in (2.0, 1.0, float("inf")):
-        ref, ours, theirs = three_models(MLP)
-        x = feature_batch(0, 2 * world)
-        mse_loss(ref, x).backward()
-        for model in (ours, theirs):
-            mse_loss(model, x.chunk(world)[rank]).backward()
+        models = ref, ours, theirs = three_models(MLP)
+        backward(models, feature_batch(0, 2 * world), mse_loss)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)
         our_norm = clip_grad_norm_(ours.parameters(), 0.05, norm_type)
         assert ref_norm > 0.05, "the test must actually clip"
@@ -33,8 +26,7 @@ def check_clip_on_a_1d_mesh() -> None:
         if norm_type != float("inf"):  # torch's raises on the empty shards of a 4-way mesh
             their_norm = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.05, norm_type)
             torch.testing.assert_close(our_norm, their_norm.full_tensor(), msg=str(norm_type))
-        for (fqn, p), ref_p in zip(ours.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad, msg=fqn)
+        assert_close_to(ours, ref, grads=True, where=norm_type)
 
 
 def test_clip_on_a_1d_mesh_matches_single_process(ranks):
@@ -42,15 +34,12 @@ def test_clip_on_a_1d_mesh_matches_single_process(ranks):
 
 
 def check_clip_on_an_hsdp_model() -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     ref, ours, _ = three_models(MLP, make_mesh((2, world // 2)))
-    x = feature_batch(0, 2 * world)
-    mse_loss(ref, x).backward()
-    mse_loss(ours, x.chunk(world)[rank]).backward()
+    backward((ref, ours), feature_batch(0, 2 * world), mse_loss)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
     torch.testing.assert_close(clip_grad_norm_(ours.parameters(), 0.05), ref_norm)
-    for (fqn, p), ref_p in zip(ours.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad, msg=fqn)
+    assert_close_to(ours, ref, grads=True)
 
 
 def test_clip_on_an_hsdp_model_matches_single_process(ranks):

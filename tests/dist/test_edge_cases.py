@@ -12,12 +12,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import FSDPModule, fully_shard, register_fsdp_forward_method
-from tests.dist.parity import three_models, train_and_compare
-from tests.models import MLP, Transformer, feature_batch, lm_loss, token_batch
-
-
-def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return (model(x) - x[:, :1]).pow(2).mean()
+from tests.dist.parity import (
+    assert_close_to, backward, max_diff_to, optimizer_step, rank_share, three_models,
+    train_and_compare,
+)
+from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 
 
 def check_shards_follow_torch_chunk() -> None:
@@ -219,29 +218,21 @@ def test_inference_forwards_leave_nothing_unsharded(ranks):
 
 
 def check_gradient_accumulation(sync_each_micro_batch: bool) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ref, ours, theirs = three_models(MLP)
-    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours, theirs)]
+    world = dist.get_world_size()
+    models = ref, ours, theirs = three_models(MLP)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     for step in range(2):
         for micro in range(3):
             last = micro == 2
             for model in (ours, theirs):
                 model.set_requires_gradient_sync(sync_each_micro_batch or last)
-            x = feature_batch(10 * step + micro, 2 * world)
-            mse_loss(ref, x).backward()
-            mse_loss(ours, x.chunk(world)[rank]).backward()
-            mse_loss(theirs, x.chunk(world)[rank]).backward()
+            backward(models, feature_batch(10 * step + micro, 2 * world), mse_loss)
             if not (sync_each_micro_batch or last):
                 assert all(p.grad is None for p in ours.parameters()), "reduced without sync"
-        ref_params, their_params = dict(ref.named_parameters()), dict(theirs.named_parameters())
-        for fqn, p in ours.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[fqn].grad, msg=fqn)
-            assert torch.equal(p.grad.full_tensor(), their_params[fqn].grad.full_tensor()), fqn
-        for optim in optims:
-            optim.step()
-            optim.zero_grad()
-        for fqn, p in ours.named_parameters():
-            torch.testing.assert_close(p.full_tensor(), ref_params[fqn], msg=fqn)
+        assert_close_to(ours, ref, grads=True, where=step)
+        assert max_diff_to(ours, theirs, grads=True) == 0.0, step
+        optimizer_step(optims)
+        assert_close_to(ours, ref, where=step)
 
 
 def test_gradient_accumulation_without_sync(ranks):
@@ -255,8 +246,8 @@ def test_gradient_accumulation_with_sync(ranks):
 def check_backwards_add_into_changed_grads() -> None:
     """Without zero_grad(set_to_none=True) between them, backwards add into the .grads as
     they are: zeroed in place, one replaced by a copy, one dropped."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    models = three_models(MLP)
+    world = dist.get_world_size()
+    models = ref, ours, theirs = three_models(MLP)
 
     def zero_in_place(model: nn.Module) -> None:
         model.zero_grad(set_to_none=False)
@@ -272,16 +263,10 @@ def check_backwards_add_into_changed_grads() -> None:
         for model in models:
             if change is not None:
                 change(model)
-        x = feature_batch(step, 2 * world)
-        ref, ours, theirs = models
-        mse_loss(ref, x).backward()
-        mse_loss(ours, x.chunk(world)[rank]).backward()
-        mse_loss(theirs, x.chunk(world)[rank]).backward()
-        ref_params, their_params = dict(ref.named_parameters()), dict(theirs.named_parameters())
-        for fqn, p in ours.named_parameters():
-            msg = f"{fqn} after {change and change.__name__}"
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[fqn].grad, msg=msg)
-            assert torch.equal(p.grad.full_tensor(), their_params[fqn].grad.full_tensor()), msg
+        backward(models, feature_batch(step, 2 * world), mse_loss)
+        after = f"after {change and change.__name__}"
+        assert_close_to(ours, ref, grads=True, where=after)
+        assert max_diff_to(ours, theirs, grads=True) == 0.0, after
 
 
 def test_backwards_add_into_changed_grads(ranks):
@@ -330,17 +315,14 @@ class Scorer(MLP):
 
 
 def check_registered_forward_method() -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = Scorer()
     ours = copy.deepcopy(ref)
     fully_shard(ours)
     register_fsdp_forward_method(ours, "score")
-    x = feature_batch(0, 2 * world)
-    ref.score(x).mean().backward()
-    ours.score(x.chunk(world)[rank]).mean().backward()
-    for (fqn, p), ref_p in zip(ours.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad, msg=fqn)
+    x = feature_batch(0, 2 * dist.get_world_size())
+    backward((ref, ours), x, lambda model, batch: model.score(batch).mean())
+    assert_close_to(ours, ref, grads=True)
 
 
 def test_registered_forward_method_gathers_parameters(ranks):
@@ -348,7 +330,7 @@ def test_registered_forward_method_gathers_parameters(ranks):
 
 
 def check_gradient_divide_factors() -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     grads = []
     for setting in ("default", "sum", "force_sum", "deprecated_sum"):
         _, ours, _ = three_models(MLP)
@@ -360,7 +342,7 @@ def check_gradient_divide_factors() -> None:
             if isinstance(module, FSDPModule) and setting == "deprecated_sum":
                 with pytest.warns(DeprecationWarning, match="set_gradient_divide_factor"):
                     module.set_reduce_scatter_divide_factor(1.0)
-        mse_loss(ours, feature_batch(0, 2 * world).chunk(world)[rank]).backward()
+        mse_loss(ours, rank_share(feature_batch(0, 2 * world))).backward()
         grads.append([p.grad.full_tensor() for p in ours.parameters()])
     for default, summed, forced, deprecated in zip(*grads):
         torch.testing.assert_close(summed, default * world)
@@ -368,7 +350,7 @@ def check_gradient_divide_factors() -> None:
         assert torch.equal(deprecated, summed)
     # Changed between backwards, the factor applies from the next reduction on.
     _, ours, _ = three_models(MLP)
-    batch = feature_batch(0, 2 * world).chunk(world)[rank]
+    batch = rank_share(feature_batch(0, 2 * world))
     mse_loss(ours, batch).backward()
     ours.zero_grad()
     for module in ours.modules():
@@ -384,18 +366,14 @@ def test_gradient_divide_factor_and_forced_sum(ranks):
 
 
 def check_reshard_after_backward_false() -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
     ref, ours, _ = three_models(MLP)
     ours.set_reshard_after_backward(False)
-    x = feature_batch(0, 2 * world)
-    mse_loss(ref, x).backward()
-    mse_loss(ours, x.chunk(world)[rank]).backward()
+    backward((ref, ours), feature_batch(0, 2 * dist.get_world_size()), mse_loss)
     assert all(type(p) is nn.Parameter for p in ours.parameters()), "resharded after backward"
     for layer in ours.layers:
         layer.reshard()
     ours.reshard()
-    for p, ref_p in zip(ours.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad)
+    assert_close_to(ours, ref, grads=True)
 
 
 def test_reshard_after_backward_false_keeps_unsharded(ranks):

@@ -12,12 +12,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import fully_shard
-from tests.dist.parity import full, per_block
-from tests.models import MLP, feature_batch
-
-
-def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return (model(x) - x[:, :1]).pow(2).mean()
+from tests.dist.parity import assert_close_to, backward, per_block, whole_pairs
+from tests.models import MLP, feature_batch, mse_loss
 
 
 def check_deepcopy_is_refused() -> None:
@@ -35,25 +31,21 @@ def test_deepcopy_is_refused(ranks):
 
 
 def check_replace_and_freeze_after_annotation() -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     torch.manual_seed(0)
     ref = MLP()
     model = copy.deepcopy(ref)
     per_block(model, fully_shard)
 
     def step(index: int) -> None:
-        x = feature_batch(index, 2 * world)
-        mse_loss(ref, x).backward()
-        mse_loss(model, x.chunk(world)[rank]).backward()
-        ref_params = dict(ref.named_parameters())
-        for fqn, p in model.named_parameters():  # a frozen parameter gets no gradient
-            assert (p.grad is None) == (ref_params[fqn].grad is None), fqn
+        backward((ref, model), feature_batch(index, 2 * world), mse_loss)
+        whole_pairs(model, ref, grads=True)  # a frozen parameter gets no gradient, on both
         for m in (ref, model):
             torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1).step()
             m.zero_grad()
         for fqn, p in model.named_parameters():
             assert isinstance(p, DTensor), fqn
-            torch.testing.assert_close(full(p), ref_params[fqn], msg=fqn)
+        assert_close_to(model, ref, where=f"after step {index}")
 
     step(0)
     new_weight = torch.randn(5, 7)  # replace a whole parameter after annotation
@@ -77,34 +69,28 @@ def check_grad_edits_between_backwards() -> None:
     """Backwards without zero_grad sum into the sharded `.grad`s; clearing one, replacing
     one, or converting them all (module.to, which swaps tensors in place) in between is
     respected, as on the reference."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     torch.manual_seed(0)
     ref = MLP()
     model = copy.deepcopy(ref)
     per_block(model, fully_shard)
 
-    def backward(index: int) -> None:
+    def backward_and_compare(index: int) -> None:
         x = feature_batch(index, 2 * world).to(ref.layers[0].weight.dtype)
-        mse_loss(ref, x).backward()
-        mse_loss(model, x.chunk(world)[rank]).backward()
-        ref_params = dict(ref.named_parameters())
-        for fqn, p in model.named_parameters():
-            expected = ref_params[fqn].grad
-            assert (p.grad is None) == (expected is None), fqn
-            if expected is not None:
-                torch.testing.assert_close(full(p.grad), expected, msg=f"{fqn} after {index}")
+        backward((ref, model), x, mse_loss)
+        assert_close_to(model, ref, grads=True, where=f"after {index}")
 
-    backward(0)
-    backward(1)  # summed into the same .grad tensors
+    backward_and_compare(0)
+    backward_and_compare(1)  # summed into the same .grad tensors
     ref.layers[0].weight.grad = None
     model.layers[0].weight.grad = None
-    backward(2)
+    backward_and_compare(2)
     ref.layers[1].bias.grad = ref.layers[1].bias.grad * 2
     model.layers[1].bias.grad = model.layers[1].bias.grad * 2
-    backward(3)
+    backward_and_compare(3)
     for m in (ref, model):
         m.to(torch.float64)
-    backward(4)
+    backward_and_compare(4)
     assert model.layers[0].weight.grad.dtype == torch.float64
 
 

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
-from tests.models import MLP, feature_batch
+from tests.dist.parity import rank_share
+from tests.models import MLP, feature_batch, mse_loss
 
 FP16 = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-
-
-def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return (model(x).float() - x[:, :1]).pow(2).mean()
 
 
 def scaled_steps(steps: int, overflow_on_rank: int | None) -> list[tuple[bool, float]]:
@@ -35,7 +31,7 @@ def scaled_steps(steps: int, overflow_on_rank: int | None) -> list[tuple[bool, f
     history = []
     for step in range(steps):
         before = [p.detach().to_local().clone() for p in model.parameters()]
-        x = feature_batch(step, 2 * world).chunk(world)[rank]
+        x = rank_share(feature_batch(step, 2 * world))
         scaler.scale(mse_loss(model, x)).backward()
         if step == 0 and rank == overflow_on_rank:
             grad = next(p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel())

@@ -13,7 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from fsdp_compose import WrapPolicy, checkpoint_blocks, wrap
-from tests.dist.parity import full, make_mesh, max_diff
+from tests.dist.parity import (
+    assert_close_to, backward, make_mesh, max_diff, max_diff_to, optimizer_step,
+)
 from tests.models import token_batch
 
 CONFIG = LlamaConfig(
@@ -28,7 +30,6 @@ def hf_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def check_hf_llama_parity(steps: int) -> float:
-    rank, world = dist.get_rank(), dist.get_world_size()
     mesh = make_mesh()
     torch.manual_seed(0)
     ref = LlamaForCausalLM(CONFIG)
@@ -45,20 +46,12 @@ def check_hf_llama_parity(steps: int) -> float:
     optims = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
     vs_torch = 0.0
     for step in range(steps):
-        tokens = token_batch(step, 2 * world, seq=8)
-        ref_loss = hf_loss(ref, tokens)
-        our_loss, their_loss = (hf_loss(m, tokens.chunk(world)[rank]) for m in (ours, theirs))
-        for loss in (ref_loss, our_loss, their_loss):
-            loss.backward()
+        tokens = token_batch(step, 2 * dist.get_world_size(), seq=8)
+        _, our_loss, their_loss = backward(models, tokens, hf_loss)
         vs_torch = max(vs_torch, max_diff(our_loss, their_loss))
-        for optim in optims:
-            optim.step()
-            optim.zero_grad()
-        named = [dict(m.named_parameters()) for m in models]
-        assert list(named[1]) == list(named[0]), "parameter names changed"
-        for fqn, p in named[1].items():
-            torch.testing.assert_close(full(p), named[0][fqn], msg=lambda m: f"{fqn} {step}: {m}")
-            vs_torch = max(vs_torch, max_diff(full(p), full(named[2][fqn])))
+        optimizer_step(optims)
+        assert_close_to(ours, ref, where=step)
+        vs_torch = max(vs_torch, max_diff_to(ours, theirs))
     return vs_torch
 
 

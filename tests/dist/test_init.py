@@ -11,7 +11,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from fsdp_compose import fully_shard, materialize
-from tests.dist.parity import full, make_mesh, per_block
+from tests.dist.parity import assert_close_to, backward, full, make_mesh, per_block
 from tests.models import MLP, Transformer, lm_loss, token_batch
 
 
@@ -38,15 +38,10 @@ def assert_same_params(model: nn.Module, ref: nn.Module) -> None:
 
 def train_step_matches(model: nn.Module, ref: nn.Module) -> None:
     """One SGD step on each rank's share against the reference on all the data."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    tokens = token_batch(0, 2 * world)
-    lm_loss(ref, tokens).backward()
-    lm_loss(model, tokens.chunk(world)[rank]).backward()
+    backward((ref, model), token_batch(0, 2 * dist.get_world_size()), lm_loss)
     for m in (model, ref):
         torch.optim.SGD(m.parameters(), lr=0.1).step()
-    ref_params = dict(ref.named_parameters())
-    for fqn, p in model.named_parameters():
-        torch.testing.assert_close(full(p), ref_params[fqn], msg=fqn)
+    assert_close_to(model, ref)
 
 
 def check_meta_init_matches_seeded_model() -> None:

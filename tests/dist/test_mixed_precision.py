@@ -10,17 +10,15 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
-from tests.dist.parity import three_models, train_and_compare
-from tests.models import MLP, Transformer, feature_batch, lm_loss, token_batch
+from tests.dist.parity import (
+    assert_close_to, optimizer_step, rank_share, three_models, train_and_compare,
+)
+from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # bf16 keeps 8 bits of mantissa (relative step 2**-8 = 0.4%); a few layers and AdamW steps
 # away from the float32 reference, differences of a few percent are bf16 rounding.
 BF16_VS_FLOAT32 = {"rtol": 5e-2, "atol": 5e-2}
-
-
-def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return (model(x).float() - x[:, :1]).pow(2).mean()
 
 
 def check_bf16_matches_torch() -> list[tuple[float, float]]:
@@ -66,17 +64,13 @@ def check_against_manual_bf16_reference(reduce_dtype: torch.dtype) -> None:
         for p, t in zip(master.parameters(), total):
             p.grad = (t / world).to(torch.float32)
         mse_loss(ours, shares[rank]).backward()
-        for (fqn, p), ref in zip(ours.named_parameters(), master.parameters()):
+        for fqn, p in ours.named_parameters():
             assert p.dtype == p.grad.dtype == torch.float32, fqn  # shards stay float32
-            # float32 reduction: only the order of the sum differs; bf16 reduction rounds
-            # each partial sum to bf16.
-            tol = {} if reduce_dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-3}
-            torch.testing.assert_close(
-                p.grad.full_tensor(), ref.grad, msg=lambda m: f"{fqn} step {step}: {m}", **tol
-            )
-        for optim in optims:
-            optim.step()
-            optim.zero_grad()
+        # float32 reduction: only the order of the sum differs; bf16 reduction rounds each
+        # partial sum to bf16.
+        tol = {} if reduce_dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-3}
+        assert_close_to(ours, master, grads=True, where=f"step {step}", **tol)
+        optimizer_step(optims)
 
 
 def test_bf16_compute_float32_reduce_matches_manual_reference(ranks):
@@ -129,10 +123,10 @@ def test_output_dtype_and_forward_input_cast(ranks):
 def check_accumulation_without_sync_in_reduce_dtype() -> float:
     """bf16 compute, float32 reduce: micro-batch gradients are summed in float32 before the
     reduction, as torch's fully_shard does; the result equals it bit for bit."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     _, ours, theirs = three_models(MLP, mp_policy=BF16)
     for micro in range(4):
-        x = feature_batch(micro, 2 * world).chunk(world)[rank]
+        x = rank_share(feature_batch(micro, 2 * world))
         for model in (ours, theirs):
             model.set_requires_gradient_sync(micro == 3)
             mse_loss(model, x).backward()

@@ -11,11 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tests.dist.parity import train_and_compare
-from tests.models import MLP, Transformer, feature_batch, lm_loss, token_batch
-
-
-def mse_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return (model(x) - x[:, :1]).pow(2).mean()
+from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 
 
 def check_offload_parity() -> list[tuple[float, float]]:

@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.dist.parity import train_and_compare
-from tests.models import MLP, Transformer, feature_batch, lm_loss, token_batch
-
-
-def mse_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return (model(x) - x[:, :1]).pow(2).mean()
+from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 
 
 def check_mlp_parity() -> list[tuple[bool, tuple[float, float]]]:

@@ -17,8 +17,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fsdp_compose import fully_shard
 from tests.dist.parity import per_block, train_and_compare
-from tests.dist.test_prefetch import GatherOrder, mse_loss
-from tests.models import MLP, feature_batch
+from tests.dist.test_prefetch import GatherOrder
+from tests.models import MLP, feature_batch, mse_loss
 
 
 class LoRALinear(nn.Module):

@@ -4,7 +4,6 @@ and the next steps train exactly as if the failure had not happened."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -14,7 +13,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import fully_shard
-from tests.dist.parity import full, make_mesh, per_block
+from tests.dist.parity import (
+    assert_close_to, backward, make_mesh, optimizer_step, per_block, rank_share,
+)
 from tests.models import Transformer, lm_loss, token_batch
 
 
@@ -40,7 +41,7 @@ def raise_in_backward(model: nn.Module) -> None:
 
 
 def check_failed_steps_recover(mesh_shape: tuple[int, ...]) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     torch.manual_seed(0)
     ref = Transformer(depth=3)
     model = copy.deepcopy(ref)
@@ -53,25 +54,18 @@ def check_failed_steps_recover(mesh_shape: tuple[int, ...]) -> None:
         """One micro-batch on ours (maybe failing) and, unless failing, on the reference."""
         tokens = token_batch(step, 2 * world)
         model.set_requires_gradient_sync(sync)
-        if fail == "forward":
-            raise_in_forward(model)
-        if fail == "backward":
-            raise_in_backward(model)
-        with pytest.raises(Injected) if fail else contextlib.nullcontext():
-            lm_loss(model, tokens.chunk(world)[rank]).backward()
+        if not fail:
+            backward((ref, model), tokens, lm_loss)
+            return
+        (raise_in_forward if fail == "forward" else raise_in_backward)(model)
+        with pytest.raises(Injected):
+            lm_loss(model, rank_share(tokens)).backward()
         if fail == "forward":  # resharded at once; after a backward, at the next forward
             assert all(isinstance(p, DTensor) for p in model.parameters())
-        if fail:
-            return
-        lm_loss(ref, tokens).backward()
 
-    def optimizer_step() -> None:
-        for o in (optim, ref_optim):
-            o.step()
-            o.zero_grad()
-        ref_params = dict(ref.named_parameters())
-        for fqn, p in model.named_parameters():
-            torch.testing.assert_close(full(p), ref_params[fqn], msg=fqn)
+    def step_and_compare() -> None:
+        optimizer_step((optim, ref_optim))
+        assert_close_to(model, ref)
 
     # (failures at these micro-batches, sync flags): every pattern ends in a synced step.
     schedules = [
@@ -87,7 +81,7 @@ def check_failed_steps_recover(mesh_shape: tuple[int, ...]) -> None:
         for fail, sync in schedule:
             micro_batch(step, sync, fail)
             step += 0 if fail else 1
-        optimizer_step()
+        step_and_compare()
 
 
 def test_failed_steps_recover_full_sharding(ranks):
@@ -110,13 +104,8 @@ def check_reset_iter_state_is_safe_any_time() -> None:
     loss = lm_loss(model, token_batch(0, 2))  # forward done, backward not started
     model.reset_iter_state()
     del loss
-    rank, world = dist.get_rank(), dist.get_world_size()
-    tokens = token_batch(1, 2 * world)
-    lm_loss(model, tokens.chunk(world)[rank]).backward()
-    lm_loss(ref, tokens).backward()
-    ref_params = dict(ref.named_parameters())
-    for fqn, p in model.named_parameters():
-        torch.testing.assert_close(full(p.grad), ref_params[fqn].grad, msg=fqn)
+    backward((ref, model), token_batch(1, 2 * dist.get_world_size()), lm_loss)
+    assert_close_to(model, ref, grads=True)
 
 
 def test_reset_iter_state_is_safe_any_time(ranks):
@@ -153,7 +142,7 @@ class WithFallback(nn.Module):
 
 
 def check_caught_unit_exception() -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     torch.manual_seed(0)
     ref = WithFallback()
     model = copy.deepcopy(ref)
@@ -164,15 +153,10 @@ def check_caught_unit_exception() -> None:
     for step, fail in enumerate([False, True, False, True, True, False]):
         model.flaky.fail = ref.flaky.fail = fail
         x = torch.randn(2 * world, 8, generator=torch.Generator().manual_seed(step))
-        model(x.chunk(world)[rank]).square().mean().backward()
-        ref(x).square().mean().backward()
-        for o in (optim, ref_optim):
-            o.step()
-            o.zero_grad()
+        backward((ref, model), x, lambda m, batch: m(batch).square().mean())
+        optimizer_step((optim, ref_optim))
     assert model.flaky_was_resharded == [True, True, True]  # at once, inside the forward
-    ref_params = dict(ref.named_parameters())
-    for fqn, p in model.named_parameters():
-        torch.testing.assert_close(full(p), ref_params[fqn], msg=fqn)
+    assert_close_to(model, ref)
 
 
 def test_a_unit_that_raised_inside_a_forward_that_caught_it_is_resharded_and_trains(ranks):

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 
 from fsdp_compose import fully_shard
-from tests.dist.parity import full, per_block
+from tests.dist.parity import full, optimizer_step, per_block, rank_share
 from tests.dist.test_init import train_step_matches
 from tests.models import Transformer, lm_loss, token_batch
 
@@ -91,11 +91,9 @@ def test_load_errors_name_key_and_shapes(ranks):
 
 
 def train(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
     for step in steps:
-        lm_loss(model, token_batch(step, 2 * world).chunk(world)[rank]).backward()
-        optim.step()
-        optim.zero_grad()
+        lm_loss(model, rank_share(token_batch(step, 2 * dist.get_world_size()))).backward()
+        optimizer_step([optim])
 
 
 def check_distributed_state_dict_round_trips(full_state_dict: bool) -> None:

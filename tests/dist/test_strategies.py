@@ -14,17 +14,13 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_compose import fully_shard, replicate
 from tests.dist.parity import Shard as ShardFn
-from tests.dist.parity import make_mesh, three_models, train_and_compare
+from tests.dist.parity import assert_close_to, backward, make_mesh, three_models, train_and_compare
 from tests.dist.test_collectives import CollectiveCounter, first_forward
-from tests.models import MLP, Transformer, feature_batch, lm_loss, token_batch
+from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 
 ALL_GATHER = "c10d::_allgather_base_"
 REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
 ALL_REDUCE = "c10d::allreduce_"
-
-
-def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return (model(x) - x[:, :1]).pow(2).mean()
 
 
 def check_hsdp() -> list[tuple[float, float]]:
@@ -129,18 +125,13 @@ def test_sharded_and_replicated_units_in_one_model(ranks):
 def check_hsdp_accumulation_without_all_reduce(
     shard_fns: tuple[ShardFn, ShardFn] = (fully_shard, torch_fully_shard),
 ) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ref, ours, theirs = three_models(MLP, make_mesh((2, 2)), shard_fns=shard_fns)
+    models = ref, ours, theirs = three_models(MLP, make_mesh((2, 2)), shard_fns=shard_fns)
     for micro in range(3):
-        x = feature_batch(micro, 2 * world)
-        mse_loss(ref, x).backward()
         for model in (ours, theirs):
             model.set_requires_all_reduce(micro == 2)
-            mse_loss(model, x.chunk(world)[rank]).backward()
-    for (fqn, p), ref_p, their_p in zip(ours.named_parameters(), ref.parameters(),
-                                        theirs.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad, msg=fqn)
-        torch.testing.assert_close(p.grad.full_tensor(), their_p.grad.full_tensor(), msg=fqn)
+        backward(models, feature_batch(micro, 2 * dist.get_world_size()), mse_loss)
+    assert_close_to(ours, ref, grads=True)
+    assert_close_to(ours, theirs, grads=True)
 
 
 def test_hsdp_accumulation_without_all_reduce(ranks):

@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compose import fully_shard
-from tests.dist.parity import full, max_diff
+from tests.dist.parity import (
+    assert_close_to, backward, max_diff_to, optimizer_step, rank_share,
+)
 from tests.dist.test_recovery import Injected, raise_in_backward, raise_in_forward
 from tests.models import Transformer, lm_loss, token_batch
 
@@ -19,15 +21,14 @@ ACTIONS = ("step", "accumulate", "eval", "inference", "unshard", "fail")
 
 
 def check_stress(steps: int) -> tuple[dict[str, int], float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     torch.manual_seed(0)
     ref = Transformer(depth=3)
     model = copy.deepcopy(ref)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref)]
     choose = random.Random(0)  # the same schedule on every rank
     done = dict.fromkeys(ACTIONS, 0)
     batch = 0
@@ -37,13 +38,7 @@ def check_stress(steps: int) -> tuple[dict[str, int], float]:
         tokens = token_batch(batch, 2 * world)
         batch += 1
         model.set_requires_gradient_sync(sync)
-        lm_loss(model, tokens.chunk(world)[rank]).backward()
-        lm_loss(ref, tokens).backward()
-
-    def optimizer_step() -> None:
-        for o in (optim, ref_optim):
-            o.step()
-            o.zero_grad()
+        backward((ref, model), tokens, lm_loss)
 
     worst = 0.0
     for _ in range(steps):
@@ -51,18 +46,18 @@ def check_stress(steps: int) -> tuple[dict[str, int], float]:
         done[action] += 1
         if action == "step":
             micro_batch(sync=True)
-            optimizer_step()
+            optimizer_step(optims)
         elif action == "accumulate":
             for _ in range(choose.randint(1, 3)):
                 micro_batch(sync=False)
             micro_batch(sync=True)
-            optimizer_step()
+            optimizer_step(optims)
         elif action in ("eval", "inference"):
             tokens = token_batch(10_000 + batch, 2 * world)[:, :-1]
             for m in (model, ref):
                 m.eval()
             with torch.no_grad() if action == "eval" else torch.inference_mode():
-                ours, theirs = model(tokens.chunk(world)[rank]), ref(tokens).chunk(world)[rank]
+                ours, theirs = model(rank_share(tokens)), rank_share(ref(tokens))
             torch.testing.assert_close(ours, theirs)
             for m in (model, ref):
                 m.train()
@@ -70,18 +65,15 @@ def check_stress(steps: int) -> tuple[dict[str, int], float]:
             model.unshard()  # explicitly, ahead of a step; reshard afterwards
             micro_batch(sync=True)
             model.reshard()
-            optimizer_step()
+            optimizer_step(optims)
         else:  # a micro-batch whose forward or backward raises, then a normal step
             (raise_in_forward if choose.random() < 0.5 else raise_in_backward)(model)
             with contextlib.suppress(Injected):
-                lm_loss(model, token_batch(batch, 2 * world).chunk(world)[rank]).backward()
+                lm_loss(model, rank_share(token_batch(batch, 2 * world))).backward()
             micro_batch(sync=True)
-            optimizer_step()
-        ref_params = dict(ref.named_parameters())
-        for fqn, p in model.named_parameters():
-            worst = max(worst, max_diff(full(p), ref_params[fqn]))
-    for fqn, p in model.named_parameters():
-        torch.testing.assert_close(full(p), dict(ref.named_parameters())[fqn], msg=fqn)
+            optimizer_step(optims)
+        worst = max(worst, max_diff_to(model, ref))
+    assert_close_to(model, ref)
     return done, worst
 
 

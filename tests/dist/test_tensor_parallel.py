@@ -19,7 +19,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdp_compose import clip_grad_norm_, fully_shard
-from tests.dist.parity import full, max_diff
+from tests.dist.parity import (
+    assert_close_to, backward, full, max_diff, max_diff_to, optimizer_step,
+)
+from tests.models import mse_loss
 
 
 class Attention(nn.Module):
@@ -71,10 +74,6 @@ PLAN = {
 }
 
 
-def loss_fn(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return (model(x) - x[..., :1]).pow(2).mean()
-
-
 def two_d(model: nn.Module, mesh, shard) -> nn.Module:
     parallelize_module(model, mesh["tp"], PLAN)
     for block in model.blocks:
@@ -91,27 +90,17 @@ def check_tensor_parallel_parity(steps: int) -> float:
     ours = two_d(copy.deepcopy(ref), mesh, fully_shard)
     theirs = two_d(copy.deepcopy(ref), mesh, torch_fully_shard)
     models = (ref, ours, theirs)
-    names = [fqn for fqn, _ in ref.named_parameters()]
-    assert [fqn for fqn, _ in ours.named_parameters()] == names
     optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     vs_torch = 0.0
     for step in range(steps):
         x = torch.randn(4 * dp_size, 5, 16, generator=torch.Generator().manual_seed(step))
-        loss_fn(ref, x).backward()
-        local = x.chunk(dp_size)[dp_rank]  # the tp ranks of one dp rank share its data
-        for model in (ours, theirs):
-            loss_fn(model, local).backward()
-        grads = [dict((fqn, p.grad) for fqn, p in m.named_parameters()) for m in models]
-        for fqn in names:
-            torch.testing.assert_close(full(grads[1][fqn]), grads[0][fqn], msg=fqn)
-            vs_torch = max(vs_torch, max_diff(full(grads[1][fqn]), full(grads[2][fqn])))
-        for optim in optims:
-            optim.step()
-            optim.zero_grad()
-        params = [dict(m.named_parameters()) for m in models]
-        for fqn in names:
-            torch.testing.assert_close(full(params[1][fqn]), params[0][fqn], msg=fqn)
-            vs_torch = max(vs_torch, max_diff(full(params[1][fqn]), full(params[2][fqn])))
+        # The tp ranks of one dp rank share its data.
+        backward(models, x, mse_loss, share=lambda batch: batch.chunk(dp_size)[dp_rank])
+        assert_close_to(ours, ref, grads=True, where=step)
+        vs_torch = max(vs_torch, max_diff_to(ours, theirs, grads=True))
+        optimizer_step(optims)
+        assert_close_to(ours, ref, where=step)
+        vs_torch = max(vs_torch, max_diff_to(ours, theirs))
     return vs_torch
 
 
@@ -137,14 +126,12 @@ def check_state_dict_and_clipping_on_2d_params() -> None:
         assert torch.equal(model.state_dict()[key].full_tensor(), value), key
 
     x = torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(0))
-    loss_fn(other, x).backward()
-    loss_fn(model, x.chunk(2)[mesh["dp"].get_local_rank()]).backward()
+    dp_rank = mesh["dp"].get_local_rank()
+    backward((other, model), x, mse_loss, share=lambda batch: batch.chunk(2)[dp_rank])
     ours = clip_grad_norm_(model.parameters(), max_norm=0.1)
     theirs = torch.nn.utils.clip_grad_norm_(other.parameters(), max_norm=0.1)
     torch.testing.assert_close(ours, theirs)
-    clipped = dict(other.named_parameters())
-    for fqn, p in model.named_parameters():
-        torch.testing.assert_close(full(p.grad), clipped[fqn].grad, msg=fqn)
+    assert_close_to(model, other, grads=True)
     assert dist.get_world_size() == 4
 
 

@@ -9,12 +9,11 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compose import FSDPModule, MixedPrecisionPolicy, WrapPolicy, fully_shard, wrap
-from tests.dist.parity import full, per_block
+from tests.dist.parity import max_diff_to, optimizer_step, per_block, rank_share
 from tests.models import Block, Transformer, lm_loss, token_batch
 
 
 def check_wrap_matches_hand_loop() -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     torch.manual_seed(0)
     by_policy = Transformer(depth=3)
@@ -26,14 +25,11 @@ def check_wrap_matches_hand_loop() -> None:
     assert units[0] == units[1] == ["", "blocks.0", "blocks.1", "blocks.2"]
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (by_policy, by_hand)]
     for step in range(2):
-        tokens = token_batch(step, 2 * world).chunk(world)[rank]
-        for model, optim in zip((by_policy, by_hand), optims):
+        tokens = rank_share(token_batch(step, 2 * dist.get_world_size()))
+        for model in (by_policy, by_hand):
             lm_loss(model, tokens).backward()
-            optim.step()
-            optim.zero_grad()
-    hand = dict(by_hand.named_parameters())
-    for fqn, p in by_policy.named_parameters():
-        assert torch.equal(full(p), full(hand[fqn])), fqn
+        optimizer_step(optims)
+    assert max_diff_to(by_policy, by_hand) == 0.0
 
 
 def test_wrap_matches_hand_loop(ranks):
