@@ -4,21 +4,17 @@ on every rank alike, instead of a hang or a size mismatch inside the first all-g
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._collectives import all_gather_object, collective_failed
-
-if TYPE_CHECKING:
-    from ._hooks import UnitState
+from ._unit import Unit
 
 
-def check_ranks_agree(states: list[UnitState], mesh: DeviceMesh, problem: str | None) -> None:
+def check_ranks_agree(units: list[Unit], mesh: DeviceMesh, problem: str | None) -> None:
     """Raise on every rank of `mesh` if any rank has a `problem` (a local check's message)
     or if the ranks' units differ in names, shapes or dtypes of their parameters."""
-    local = ([(s.label, _digest(s)) for s in states], problem)
+    local = ([(u.label, _digest(u)) for u in units], problem)
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
         if group.size() == 1:
@@ -27,30 +23,30 @@ def check_ranks_agree(states: list[UnitState], mesh: DeviceMesh, problem: str | 
             gathered = all_gather_object(local, group)
         except RuntimeError as error:
             check = "model check of the first forward"
-            raise collective_failed(states[0].label, check, group.size(), error) from error
+            raise collective_failed(units[0].label, check, group.size(), error) from error
         for _, rank_problem in gathered:
             if rank_problem is not None:
                 raise RuntimeError(rank_problem)
-        for index, (units, _) in enumerate(gathered[1:], start=1):
-            if units != gathered[0][0]:
-                _raise_difference(states, gathered[0][0], units, group, index)
+        for index, (described, _) in enumerate(gathered[1:], start=1):
+            if described != gathered[0][0]:
+                _raise_difference(units, gathered[0][0], described, group, index)
 
 
-def _describe(state: UnitState) -> list[str]:
-    return [f"{p.fqn} {tuple(p.shape)} {p.sharded.dtype}" for p in state.unit.params]
+def _describe(unit: Unit) -> list[str]:
+    return [f"{p.fqn} {tuple(p.shape)} {p.sharded.dtype}" for p in unit.params]
 
 
-def _digest(state: UnitState) -> str:
-    return hashlib.sha1("\n".join(_describe(state)).encode()).hexdigest()
+def _digest(unit: Unit) -> str:
+    return hashlib.sha1("\n".join(_describe(unit)).encode()).hexdigest()
 
 
 def _raise_difference(
-    states: list[UnitState], first: list[tuple[str, str]], other: list[tuple[str, str]],
+    units: list[Unit], first: list[tuple[str, str]], other: list[tuple[str, str]],
     group: dist.ProcessGroup, index: int,
 ) -> None:
     at = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), min(len(first), len(other)))
     # Every rank takes part in this second gather, so every rank raises the same error.
-    described = all_gather_object(_describe(states[at]) if at < len(states) else None, group)
+    described = all_gather_object(_describe(units[at]) if at < len(units) else None, group)
     ranks = dist.get_global_rank(group, 0), dist.get_global_rank(group, index)
     label = first[at][0] if at < len(first) else other[at][0]
     raise RuntimeError(

@@ -4,7 +4,7 @@ first collective and before anything changes, so a failed call leaves the module
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -12,8 +12,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._hooks import UnitState, state_of
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
+from ._root import state_of
+
+if TYPE_CHECKING:
+    from ._hooks import UnitState
 
 # Marks the sharded parameters fully_shard creates, so a later call on an inner module can
 # tell "sharded by an enclosing fully_shard" from a tensor-parallel DTensor.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn, overload
 
@@ -18,9 +17,10 @@ from ._checks import (
 )
 from ._codec import AllGatherCodec
 from ._collectives import CustomComm
-from ._hooks import STATE_ATTR, UnitState, state_of
+from ._hooks import UnitState
+from ._root import STATE_ATTR, state_of
 from ._init import sync_from_first_rank, unit_buffers
-from ._meshes import default_mesh, mesh_device, resolve_reshard_after_forward, separate_group
+from ._meshes import default_mesh, resolve_reshard_after_forward, separate_group, unit_mesh
 from ._param import ShardedParam
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._state_dict import install_state_dict_hooks
@@ -99,7 +99,7 @@ class FSDPModule:
         backward that all-reduces across replicas (gradient accumulation with less
         communication). No effect on a 1-D mesh."""
         for state in self._states(recurse):
-            state.unit.requires_all_reduce = requires_all_reduce
+            state.unit.reducer.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(
         self, reshard_after_forward: bool | int, recurse: bool = True
@@ -133,13 +133,13 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's summed gradients by `factor` instead of the mesh size."""
-        unit = self._state().unit
-        unit.set_reduction(factor, unit.force_sum_reduction)
+        reducer = self._state().unit.reducer
+        reducer.set_reduction(factor, reducer.force_sum_reduction)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with a plain SUM on the wire and divide locally afterwards."""
-        unit = self._state().unit
-        unit.set_reduction(unit.gradient_divide_factor, enable)
+        reducer = self._state().unit.reducer
+        reducer.set_reduction(reducer.gradient_divide_factor, enable)
 
     def _not_yet(self, what: str) -> NoReturn:
         raise NotImplementedError(
@@ -206,7 +206,7 @@ class FSDPModule:
         multi-modal branches) still send the same reduce-scatter. Such parameters' `.grad`
         is then a tensor (the average, zeros where no rank used them), never None."""
         for state in self._states(recurse):
-            state.unit.reduce_scatter_unused_params = reduce_scatter_unused_params
+            state.unit.reducer.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next forward's all-gathers wait for `event` (recorded after an optimizer step
@@ -229,7 +229,7 @@ class FSDPModule:
         """Reduce this unit's gradients with `comm(output, input, group, op,
         async_op=False)` instead of reduce_scatter_single; `comm.allocate`, if defined,
         allocates input and output. torch's ReduceScatter interface."""
-        self._state().unit.custom_reduce_scatter = comm
+        self._state().unit.reducer.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call `hook(reduced)` on this unit's reduced gradients (the reduce-scatter output,
@@ -241,7 +241,7 @@ class FSDPModule:
                 f"{type(self).__name__}.set_all_reduce_hook: fsdp_compose reduces gradients on "
                 "the current stream and runs the hook there; pass stream=None."
             )
-        self._state().unit.all_reduce_hook = hook
+        self._state().unit.reducer.all_reduce_hook = hook
 
     def set_all_gather_codec(
         self, codec: AllGatherCodec | None, params: list[str] | None = None
@@ -269,7 +269,7 @@ class FSDPModule:
         each unit's shard ranks: call it on every rank alike."""
         for state in self._states(recurse):
             unit = state.unit
-            unit.reduce_scatter_group = separate_group(unit.group) if enable else unit.group
+            unit.reducer.group = separate_group(unit.group) if enable else unit.group
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         self._not_yet("allocating communication buffers from the process group (CUDA)")
@@ -347,7 +347,8 @@ def fully_shard(
     mesh = mesh if mesh is not None else default_mesh(name)
     check_mesh(name, mesh)
     check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", mesh.size(-1))
-    device = mesh_device(mesh)
+    resolved = unit_mesh(mesh, reshard_after_forward)
+    device = resolved.device
     collected = collect_params(modules, name, set(ignored_params or ()))
     check_params(name, collected, device, mp_policy, mesh)
 
@@ -356,16 +357,15 @@ def fully_shard(
         tensors = [p for _, p, _ in collected] + unit_buffers(modules)
         sync_from_first_rank(tensors, mesh, device)
     params = [
-        ShardedParam(fqn, p, owners, mesh, device, mp_policy, offload)
+        ShardedParam(fqn, p, owners, resolved, mp_policy, offload)
         for fqn, p, owners in collected
     ]
     move_buffers(modules, device)
-    reshard, post_forward_mesh = resolve_reshard_after_forward(reshard_after_forward, mesh)
-    unit = Unit(params, mesh, device)
-    unit.set_post_forward_mesh(post_forward_mesh)
+    unit = Unit(params, resolved)
+    unit.set_post_forward_mesh(resolved.post_forward_mesh)
     state = UnitState(
-        modules, unit, reshard, mp_policy=mp_policy, label=name,
-        original_params={id(p): weakref.ref(p) for _, p, _ in collected},
+        modules, unit, resolved.reshard_after_forward, mp_policy, name,
+        [p for _, p, _ in collected],
     )
     for param in params:
         setattr(param.sharded, SHARDED_MARK, True)
@@ -389,7 +389,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     comm = modules[0]._state().comm
     for module in modules[1:]:
         state = module._state()
-        for other in state.ctx.states if state.ctx is not None else [state]:
+        for other in state.root.states if state.initialised else [state]:
             other.comm = comm
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._collectives import broadcast
-from ._hooks import state_of
+from ._root import state_of
 from ._param import ShardedParam
 
 
@@ -40,7 +40,7 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
     Peak memory: the shards plus the largest module's own parameters, whole (a parameter
     tied between modules stays whole until the last of them is initialised).
     """
-    if state_of(module) is None:
+    if (root := state_of(module)) is None:
         raise TypeError(
             f"materialize({type(module).__name__}): the module is not annotated; call "
             "fully_shard on it (and its blocks) first, then materialize it."
@@ -76,7 +76,7 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
                         owner._parameters[attr] = param.sharded
 
     with torch.no_grad():
-        visit(module, state_of(module).unit.device)
+        visit(module, root.unit.device)
     for m in module.modules():
         if (state := state_of(m)) is not None:
             state.unit.shards_replaced()
@@ -161,5 +161,5 @@ def sync_from_first_rank(
         # After dim 0, rank (i, j) holds (0, j)'s values; after dim 1, (0, 0)'s.
         for dim in range(mesh.ndim):
             broadcast(flat, mesh.get_group(dim))
-        for t, values in zip(group, flat.split([t.numel() for t in group])):
+        for t, values in zip(group, torch.split(flat, [t.numel() for t in group])):
             t.copy_(values.view_as(t))

@@ -1,15 +1,55 @@
-"""The meshes fully_shard works on: the default one, and those derived from a user's mesh
-for replicate() and for reshard_after_forward=<int>, and separate reduce-scatter groups."""
+"""The meshes fully_shard works on, resolved once per unit into a UnitMesh: the default
+mesh, the groups and device a unit uses, and the meshes derived from a user's mesh for
+replicate() and reshard_after_forward=<int>; separate reduce-scatter groups."""
 
 from __future__ import annotations
 
 import functools
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+
+class UnitMesh(NamedTuple):
+    """What a unit and its parameters use of their mesh, resolved once by fully_shard. The
+    last mesh dimension shards; a leading one (HSDP) replicates."""
+
+    mesh: DeviceMesh
+    device: torch.device  # where the unsharded parameters live
+    shard_group: ProcessGroup
+    shard_size: int
+    shard_rank: int
+    replicate_group: ProcessGroup | None
+    replicate_size: int
+    placements: tuple[Placement, ...]  # a sharded parameter's, on `mesh`
+    # reshard_after_forward resolved: None (decided at lazy init) or a bool, and for an
+    # int group size the smaller mesh whose dim 1 the unit reshards to after forward.
+    reshard_after_forward: bool | None
+    post_forward_mesh: DeviceMesh | None
+
+
+def unit_mesh(mesh: DeviceMesh, reshard_after_forward: bool | int | None) -> UnitMesh:
+    """Resolve a checked mesh and reshard_after_forward for one unit."""
+    hsdp = mesh.ndim == 2
+    reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh)
+    return UnitMesh(
+        mesh=mesh,
+        device=mesh_device(mesh),
+        shard_group=mesh.get_group(mesh.ndim - 1),
+        shard_size=mesh.size(-1),
+        shard_rank=mesh.get_local_rank(mesh.ndim - 1),
+        replicate_group=mesh.get_group(0) if hsdp else None,
+        replicate_size=mesh.size(0) if hsdp else 1,
+        placements=(Replicate(),) * (mesh.ndim - 1) + (Shard(0),),
+        reshard_after_forward=reshard,
+        post_forward_mesh=post_forward,
+    )
 
 
 def default_mesh(name: str) -> DeviceMesh:
@@ -63,7 +103,7 @@ def resolve_reshard_after_forward(
     if value == 1:
         warnings.warn(
             "reshard_after_forward=1 keeps the whole parameters after forward, as False does; "
-            "for freeing them (True) pass a bool.", stacklevel=3,
+            "for freeing them (True) pass a bool.", stacklevel=4,
         )
         return False, None
     if value == mesh.size(-1):

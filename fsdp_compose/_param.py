@@ -6,13 +6,12 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor import DTensor
 
+from ._meshes import UnitMesh
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ._sharding import ShardLayout, chunk_range, contiguous_stride, shard_layout
+from ._tensor_parallel import TensorParallel
 
 
 class Registration(NamedTuple):
@@ -44,8 +43,7 @@ class ShardedParam:
         fqn: str,
         param: nn.Parameter,
         owners: list[tuple[nn.Module, str]],
-        mesh: DeviceMesh,
-        device: torch.device,
+        mesh: UnitMesh,
         mp_policy: MixedPrecisionPolicy,
         offload: CPUOffloadPolicy | None = None,
     ) -> None:
@@ -54,31 +52,25 @@ class ShardedParam:
         # The first owner's _parameters and attribute: where adopt_registered looks.
         self._home = (owners[0][0]._parameters, owners[0][1])
         self._mp_policy = mp_policy
-        self._device = device  # where the unit computes
+        device = self._device = mesh.device  # where the unit computes
         # With CPU offload the shard (and so the optimizer step) lives in CPU memory.
         self._shard_device = torch.device("cpu") if offload is not None else device
         self._pin_memory = (
             offload is not None and offload.pin_memory and torch.accelerator.is_available()
         )
-        # See Note [gradients per backward].
-        self._accumulated_grad: torch.Tensor | None = None
-        self._pending_shard: torch.Tensor | None = None
-        self._accumulated_spent = False  # whether a reduction of this backward included it
-        # The last mesh dim shards; a leading one (HSDP) replicates.
-        shard_size, rank = mesh.size(-1), mesh.get_local_rank(mesh.ndim - 1)
-        # A tensor-parallel DTensor: we shard its local tensor; see Note [tensor parallel].
-        self._tp = _TensorParallel.of(param) if isinstance(param, DTensor) else None
+        shard_size, rank = mesh.shard_size, mesh.shard_rank
+        # A tensor-parallel DTensor: we shard its local tensor (Note [tensor parallel]).
+        self._tp = TensorParallel.of(param) if isinstance(param, DTensor) else None
         whole = self._tp.local(param) if self._tp is not None else param.detach()
         self.layout: ShardLayout = shard_layout(whole.shape, shard_size)
         self._local_shape = self.layout.local_shape(rank)
         self._local_stride = contiguous_stride(self._local_shape)
         self._rows = chunk_range(whole.shape[0], shard_size, rank)
-        dp_placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(0),)
         if self._tp is None:
             shape = self.layout.shape
-            self._spec = (mesh, dp_placements, shape, contiguous_stride(shape))
+            self._spec = (mesh.mesh, mesh.placements, shape, contiguous_stride(shape))
         else:
-            self._spec = self._tp.sharded_spec(mesh, dp_placements)
+            self._spec = self._tp.sharded_spec(mesh.mesh, mesh.placements)
         # reshard_after_forward=<int>: the layout over the smaller post-forward group, the
         # rows this rank keeps of it, and (between forward and backward) the kept piece.
         self._post_forward: tuple[ShardLayout, range] | None = None
@@ -244,6 +236,12 @@ class ShardedParam:
     def post_forward_numel(self) -> int:
         return self._post_forward[0].padded_shard_numel
 
+    def take_post_forward_shard(self) -> torch.Tensor:
+        """The kept piece (see keep_post_forward_shard), no longer kept."""
+        shard, self.post_forward_shard = self.post_forward_shard, None
+        assert shard is not None
+        return shard
+
     def keep_post_forward_shard(self) -> None:
         """Copy this rank's piece of the post-forward layout out of the unsharded data."""
         layout, rows = self._post_forward
@@ -273,61 +271,14 @@ class ShardedParam:
             for module, name in self.owners
         ]
 
-    # Note [gradients per backward]: a backward's gradients count only once it has finished.
-    # Until then autograd writes this backward's unsharded gradient into `unsharded.grad`,
-    # apart from `_accumulated_grad`, the sum of earlier backwards without reduction, and the
-    # reduced shard waits in `_pending_shard`. The end of backward commits them; a backward
-    # that raised is discarded, leaving what earlier backwards accumulated as it was.
-
-    @property
-    def has_grad(self) -> bool:
-        return self.unsharded.grad is not None or self._accumulated_grad is not None
-
-    def _pop_grad(self) -> torch.Tensor | None:
+    def pop_unsharded_grad(self) -> torch.Tensor | None:
         """This backward's unsharded gradient as a plain tensor (a tensor-parallel one's
-        local part, in the parameter's placements); clears it."""
+        local part, in the parameter's placements); clears it. See _grad_ledger.py."""
         grad = self.unsharded.grad
         if grad is None:
             return None
         self.unsharded.grad = None
-        return grad if self._tp is None else self._tp.local(grad)
-
-    def take_grad(self) -> torch.Tensor | None:
-        """For a reduction: the unsharded gradient summed over the backwards since the last
-        one. Takes this backward's gradient; the earlier sum stays until `commit`."""
-        grad = self._pop_grad()
-        accumulated = self._accumulated_grad
-        if accumulated is None or self._accumulated_spent:
-            return grad
-        self._accumulated_spent = True  # a second reduction in this backward excludes it
-        return accumulated if grad is None else accumulated + grad
-
-    def hold_reduced(self, padded_grad_shard: torch.Tensor) -> None:
-        """Keep this rank's reduced gradient shard (flat, padded) until `commit`."""
-        pending = self._pending_shard
-        self._pending_shard = padded_grad_shard if pending is None else pending + padded_grad_shard
-
-    def commit(self) -> None:
-        """The backward finished: its reduced shard joins the sharded `.grad` (and the
-        accumulated sum it included is spent), or its unreduced gradient joins that sum,
-        in reduce_dtype when that is wider (summing in place, autograd would keep
-        param_dtype)."""
-        if self._pending_shard is not None:
-            self.add_to_grad(self._pending_shard)
-            self._pending_shard = None
-        if self._accumulated_spent:
-            self._accumulated_grad, self._accumulated_spent = None, False
-        if self.unsharded.grad is not None:  # a backward without reduction
-            grad = self._pop_grad()
-            if self._accumulated_grad is None:
-                self._accumulated_grad = grad.to(self.reduce_dtype)
-            else:
-                self._accumulated_grad.add_(grad)
-
-    def discard(self) -> None:
-        """Forget what a backward that did not finish left behind."""
-        self.unsharded.grad = None
-        self._pending_shard, self._accumulated_spent = None, False
+        return grad if self._tp is None else self._tp.local(grad)  # type: ignore[arg-type]
 
     def add_to_grad(self, padded_grad_shard: torch.Tensor) -> torch.Tensor:
         """Add this rank's reduced gradient shard (flat, padded) to the sharded `.grad`
@@ -361,53 +312,3 @@ def _local_of(dtensor: DTensor) -> torch.Tensor:
     # The local tensor itself: to_local() of a Parameter returns a fresh view, and identity
     # is how we tell our shard from one that replaced it.
     return dtensor._local_tensor
-
-
-# Note [tensor parallel]: a parameter that tensor parallelism made a DTensor on a TP mesh
-# is sharded here as its local tensor: rows of the TP-local tensor over the data-parallel
-# mesh. Unsharded, it is the TP DTensor again (the all-gather rebuilds its local tensor);
-# sharded, a DTensor on the concatenated (dp..., tp) mesh. When TP also shards dim 0, each
-# dp shard holds rows of a TP shard, a layout DTensor names _StridedShard(0, split_factor=
-# TP shards), as torch's fully_shard does.
-
-
-class _TensorParallel(NamedTuple):
-    mesh: DeviceMesh
-    placements: tuple[Placement, ...]
-    shape: torch.Size
-    stride: tuple[int, ...]
-
-    @classmethod
-    def of(cls, param: DTensor) -> _TensorParallel:
-        return cls(param.device_mesh, tuple(param.placements), param.shape, param.stride())
-
-    def local(self, tensor: DTensor) -> torch.Tensor:
-        """The local tensor of `tensor` in our placements (a gradient may come Partial)."""
-        if tuple(tensor.placements) != self.placements:
-            tensor = tensor.redistribute(self.mesh, self.placements)
-        return tensor._local_tensor.detach()
-
-    def slice(self, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's TP-local part of a whole tensor."""
-        local_shape, offsets = compute_local_shape_and_global_offset(
-            self.shape, self.mesh, self.placements
-        )
-        index = tuple(slice(o, o + n) for o, n in zip(offsets, local_shape))
-        return whole[index]
-
-    def as_dtensor(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
-        )
-
-    def sharded_spec(
-        self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...]
-    ) -> tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]:
-        tp_rows = 1
-        for size, placement in zip(self.mesh.shape, self.placements):
-            if placement.is_shard(0):
-                tp_rows *= size
-        if tp_rows > 1:
-            dp_placements = (*dp_placements[:-1], _StridedShard(0, split_factor=tp_rows))
-        mesh = DeviceMesh._concatenate([dp_mesh, self.mesh])
-        return mesh, (*dp_placements, *self.placements), self.shape, self.stride

@@ -11,11 +11,7 @@ from torch import nn
 
 from fsdp_compose import fully_shard, share_comm_ctx
 from tests.dist.parity import Shard, per_block, train_and_compare
-from tests.models import MLP, feature_batch
-
-
-def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return (model(x) - x[:, :1]).pow(2).mean()
+from tests.models import MLP, feature_batch, mse_loss
 
 
 def annotated(model: nn.Module) -> list[nn.Module]:
@@ -212,8 +208,8 @@ def check_separate_group() -> tuple[float, float, bool]:
 
     errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap)
     unit = units[0]
-    separate = unit.reduce_scatter_group is not unit.group and dist.get_process_group_ranks(
-        unit.reduce_scatter_group
+    separate = unit.reducer.group is not unit.group and dist.get_process_group_ranks(
+        unit.reducer.group
     ) == dist.get_process_group_ranks(unit.group)
     return (*errors, separate)
 

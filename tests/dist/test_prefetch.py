@@ -15,16 +15,12 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import fully_shard
-from fsdp_compose._hooks import state_of
+from fsdp_compose._root import state_of
 from tests.dist.parity import Shard, per_block, train_and_compare
-from tests.models import MLP, feature_batch
+from tests.models import MLP, feature_batch, mse_loss
 
 ALL_GATHER = "c10d::_allgather_base_"
 REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
-
-
-def mse_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return (model(x) - x[:, :1]).pow(2).mean()
 
 
 def with_prefetch(model: nn.Module, shard: Shard) -> None:

@@ -11,7 +11,8 @@ from contextlib import contextmanager
 
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-import fsdp_compose._unit as unit_module
+import fsdp_compose._gather as gather_module
+import fsdp_compose._reduce as reduce_module
 from fsdp_compose import fully_shard
 from fsdp_compose._buffer import ReusedBuffer
 from fsdp_compose._collectives import all_gather, all_reduce, reduce_scatter
@@ -99,7 +100,7 @@ def shard_on_recorded_streams(module, **kwargs):
     fully_shard(module, **kwargs)
     unit = module._state().unit
     unit.streams = RecordingStreams()
-    unit._gather_buffer, unit._reduce_buffer = LoggedBuffer("gather"), LoggedBuffer("reduce")
+    unit.gatherer._buffer, unit.reducer._buffer = LoggedBuffer("gather"), LoggedBuffer("reduce")
     return module
 
 
@@ -107,13 +108,13 @@ def shard_on_recorded_streams(module, **kwargs):
 def logged_collectives():
     """The collectives our units send, logged (from a clear log)."""
     LOG.clear()
-    unit_module.all_gather, unit_module.reduce_scatter = logged_all_gather, logged_reduce_scatter
-    unit_module.all_reduce = logged_all_reduce
+    gather_module.all_gather = logged_all_gather
+    reduce_module.reduce_scatter, reduce_module.all_reduce = logged_reduce_scatter, logged_all_reduce
     try:
         yield
     finally:
-        unit_module.all_gather, unit_module.reduce_scatter = all_gather, reduce_scatter
-        unit_module.all_reduce = all_reduce
+        gather_module.all_gather = all_gather
+        reduce_module.reduce_scatter, reduce_module.all_reduce = reduce_scatter, all_reduce
 
 
 def check_protocol(**shard_kwargs) -> tuple[float, list[str]]:

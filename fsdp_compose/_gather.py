@@ -1,0 +1,277 @@
+"""Gathering a unit: one all-gather of every parameter's shard into the unsharded
+parameters, and back (reshard). The flat shard and the unsharded storage are laid out here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup, Work
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._buffer import ReusedBuffer
+from ._codec import decode_rows, encode_shards
+from ._collectives import all_gather, allocate, collective_failed
+from ._param import Registration, ShardedParam
+
+if TYPE_CHECKING:
+    from ._unit import Unit
+
+
+class _Gather(NamedTuple):
+    """An all-gather in flight: its result (row r: rank r's shards) and how to copy it out."""
+
+    gathered: torch.Tensor  # (rows, columns)
+    work: Work | torch.Event | None  # wait(): gloo blocks; an event orders the compute stream
+    rows: int  # ranks gathered from
+    sizes: list[int]  # each parameter's padded shard, per row (bytes if encoded)
+    from_post_forward: bool
+    encoded: bool  # uint8 rows of codec encodings; see encode_shards
+    inputs: list[torch.Tensor] | None  # kept until waited for; see _streams.py
+
+
+# One owning module's _parameters, and the sharded and the unsharded forms of its
+# parameters in a unit, by name: what one dict update registers.
+_OwnerForms = tuple[
+    dict[str, Any], dict[str, nn.Parameter], dict[str, nn.Parameter]
+]
+
+
+class Gatherer:
+    """Unshards a unit's parameters with one all-gather and reshards them. With a
+    post-forward mesh (reshard_after_forward=<int>), resharding after forward keeps a piece
+    of each parameter sharded over a smaller group, and the next unshard gathers there."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit = unit
+        self.params = unit.params
+        self.is_unsharded = False
+        self.laid_out = False  # see lay_out
+        self._flat: torch.Tensor | None = None
+        self._flat_needs_cast = False  # to param_dtype, or to the device (CPU offload)
+        # The buffer spec (shape, dtype, device) of a gather of the flat shard, made once:
+        # see ReusedBuffer.take.
+        self._spec: tuple[tuple[int, int], torch.dtype, torch.device] | None = None
+        self._unsharded_storages: list[tuple[torch.UntypedStorage, int]] = []
+        self._targets: list[torch.Tensor] = []
+        self._registrations: list[_OwnerForms] = []  # see lay_out
+        self._buffer = ReusedBuffer()  # unless a custom all-gather allocates
+        self._pending: _Gather | None = None
+        self._post_forward_group: ProcessGroup | None = None
+        self._post_forward_kept = False  # whether the params hold post-forward shards now
+
+    def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
+        """Reshard after forward to dim 1 of `mesh` (a smaller group), or fully if None."""
+        self.reshard()
+        if mesh is None:
+            self._post_forward_group, size, index = None, None, 0
+        else:
+            self._post_forward_group = mesh.get_group(1)
+            size, index = mesh.size(1), mesh.get_local_rank(1)
+        for p in self.params:
+            p.set_post_forward_group(size, index)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather the parameters; with `async_op` only start, and finish in
+        `wait_for_unshard` (or in an unshard without it)."""
+        if self._pending is not None:
+            if not async_op:
+                self.wait_for_unshard()
+            return
+        if self.is_unsharded or not self.params:
+            return
+        unit = self._unit
+        side = unit.streams
+        if self._post_forward_kept:  # gather inside the smaller group, from kept pieces
+            self._post_forward_kept = False
+            group = self._post_forward_group
+            assert group is not None
+            rows, sizes = group.size(), [p.post_forward_numel for p in self.params]
+            inputs = [p.take_post_forward_shard() for p in self.params]
+            written_on_compute = True
+        else:
+            written_on_compute = not self.laid_out
+            if written_on_compute:
+                self.lay_out()
+            group, rows, sizes, inputs = unit.group, unit.shard_size, unit.sizes, None
+        if side is None:
+            self._pending = self._start(group, rows, sizes, inputs, async_op)
+        else:
+            if written_on_compute:
+                side.follow_compute()  # the shards or kept pieces may still be being written
+            with side.gathering():
+                gather = self._start(group, rows, sizes, inputs, async_op=False)
+                self._pending = gather._replace(work=side.gathered())
+        if not async_op:
+            self.wait_for_unshard()
+
+    def _start(
+        self, group: ProcessGroup, rows: int, sizes: list[int],
+        inputs: list[torch.Tensor] | None, async_op: bool,
+    ) -> _Gather:
+        """Issue the all-gather of this rank's shards (or of kept pieces, `inputs`)."""
+        unit = self._unit
+        encoded, spec = False, None
+        if inputs is not None:
+            shards = torch.cat(inputs)
+        elif unit.codecs:
+            shards, sizes = encode_shards(self.params, unit.codecs, unit.device, unit.param_dtype)
+            encoded = True
+        else:
+            shards, spec = self._flat_shard(), self._spec
+        if spec is None:
+            spec = ((rows, shards.numel()), shards.dtype, unit.device)
+        custom = unit.custom_all_gather
+        if custom is None:  # row r: rank r's shards
+            gathered = self._buffer.take(spec)
+            flat = self._buffer.flat
+        else:
+            shape, dtype, device = spec
+            flat = allocate(custom, (shape[0] * shape[1],), dtype, device)
+            gathered = flat.view(shape)
+        if unit.is_complex and not encoded:  # sent as real pairs, as torch.distributed does
+            flat, shards = torch.view_as_real(flat), torch.view_as_real(shards)
+        try:
+            work = all_gather(flat, shards, group, rows, async_op, custom)
+        except RuntimeError as error:
+            raise collective_failed(unit.label, "all-gather", rows, error) from error
+        return _Gather(gathered, work, rows, sizes, inputs is not None, encoded, inputs)
+
+    def lay_out(self) -> None:
+        """Put the padded shards into one flat tensor, which the all-gather sends without
+        a copy-in (or with one cast, under mixed precision), and the unsharded data into
+        one storage, allocated and freed at once. Parameters of different dtypes keep
+        their own (their shards are copied in at each gather)."""
+        unit, params = self._unit, self.params
+        self._flat, self._flat_needs_cast, self._spec = _flat_shards(params, unit.shard_numel), False, None
+        rows, dtype, device = unit.shard_size, unit.param_dtype, unit.device
+        if self._flat is not None:
+            self._flat_needs_cast = self._flat.dtype != dtype or self._flat.device != device
+            self._spec = ((rows, unit.shard_numel), dtype, device)
+        unit.layout_changed()
+        buffers = _unsharded_buffers(params, rows, unit.sizes, dtype, device)
+        # Freed by resizing to 0 rather than dropped: autograd may have saved the unsharded
+        # parameters, and what it saved must see the data of the next all-gather.
+        self._unsharded_storages = [(b.untyped_storage(), b.nbytes) for b in buffers]
+        for storage, _ in self._unsharded_storages:
+            storage.resize_(0)
+        self._targets = [p.gather_target(from_post_forward=False) for p in params]
+        # The unit registers all its parameters with one dict update per owning module (a
+        # method call per parameter costs more than the work), while this layout holds.
+        self._registrations = _forms_by_owner(r for p in params for r in p.registrations())
+        self.laid_out = True
+
+    def _flat_shard(self) -> torch.Tensor:
+        """Every parameter's padded shard, back to back, in param_dtype (mixed precision
+        gathers the dtype that computes) on the device (CPU offload gathers there)."""
+        unit, flat = self._unit, self._flat
+        if flat is None:
+            return torch.cat([p.padded_shard.to(unit.device, unit.param_dtype) for p in self.params])
+        if self._flat_needs_cast:
+            return flat.to(unit.device, unit.param_dtype, non_blocking=True)
+        return flat
+
+    def wait_for_unshard(self) -> None:
+        """Finish a started all-gather: copy out into the unsharded parameters, register them."""
+        if self._pending is None:
+            return
+        gather, unit = self._pending, self._unit
+        self._pending = None
+        if gather.work is not None:
+            try:
+                gather.work.wait()
+            except RuntimeError as error:
+                raise collective_failed(unit.label, "all-gather", gather.rows, error) from error
+        for storage, nbytes in self._unsharded_storages:
+            storage.resize_(nbytes)
+        if gather.encoded:
+            decode_rows(gather.gathered, gather.sizes, self.params, unit.codecs, self._targets)
+        else:
+            torch.split_with_sizes_copy(
+                gather.gathered,
+                gather.sizes,
+                dim=1,
+                out=[p.gather_target(from_post_forward=True) for p in self.params]
+                if gather.from_post_forward else self._targets,
+            )
+        self._buffer.release()
+        if unit.streams is not None:
+            unit.streams.copied_out()
+        if self.laid_out:
+            for parameters, _, unsharded in self._registrations:
+                parameters.update(unsharded)
+        else:  # a parameter changed since the layout: it knows its forms
+            for p in self.params:
+                p.to_unsharded()
+        self.is_unsharded = True
+
+    def reshard(self, keep_post_forward: bool = False) -> None:
+        """Register the sharded parameters again and free the unsharded data; with
+        `keep_post_forward` and a post-forward mesh, keep each parameter's piece for it."""
+        if self._pending is not None:
+            self.wait_for_unshard()  # an all-gather in flight must land before its buffers go
+        keep = keep_post_forward and self._post_forward_group is not None
+        if not self.is_unsharded:
+            if not keep and self._post_forward_kept:
+                self._post_forward_kept = False
+                for p in self.params:
+                    p.take_post_forward_shard()
+            return
+        if keep:
+            for p in self.params:
+                p.keep_post_forward_shard()
+        if self.laid_out:
+            for parameters, sharded, _ in self._registrations:
+                parameters.update(sharded)
+        else:
+            for p in self.params:
+                p.to_sharded()
+        for storage, _ in self._unsharded_storages:
+            storage.resize_(0)
+        self._post_forward_kept = keep
+        self.is_unsharded = False
+
+
+def _flat_shards(params: list[ShardedParam], numel: int) -> torch.Tensor | None:
+    """One flat tensor holding every parameter's padded shard (each parameter's shard then
+    a view of it), when they share a dtype and a device; else None."""
+    first = params[0].padded_shard
+    if not all(p.padded_shard.dtype == first.dtype and p.padded_shard.device == first.device
+               for p in params):
+        return None
+    # Parameters outlive an inference_mode forward that may get here first.
+    with torch.inference_mode(False), torch.no_grad():
+        flat = torch.empty(numel, dtype=first.dtype, device=first.device, pin_memory=first.is_pinned())
+        for p, piece in zip(params, flat.split([p.layout.padded_shard_numel for p in params])):
+            p.move_shard_into(piece)
+    return flat
+
+
+def _unsharded_buffers(
+    params: list[ShardedParam], rows: int, sizes: list[int], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """The unsharded data: one storage shared by the parameters when they compute in one
+    dtype, else each its own."""
+    if not all(p.param_dtype == dtype for p in params):
+        return [p.unsharded_buffer for p in params]
+    with torch.inference_mode(False):
+        unsharded = torch.empty(rows * sum(sizes), dtype=dtype, device=device)
+        for p, piece in zip(params, unsharded.split([rows * n for n in sizes])):
+            p.use_unsharded_buffer(piece)
+    return [unsharded]
+
+
+def _forms_by_owner(registrations: Iterable[Registration]) -> list[_OwnerForms]:
+    """Registrations grouped by owning module."""
+    by_owner: dict[int, _OwnerForms] = {}
+    for r in registrations:
+        _, sharded, unsharded = by_owner.setdefault(id(r.parameters), (r.parameters, {}, {}))
+        sharded[r.name] = r.sharded
+        unsharded[r.name] = r.unsharded
+    return list(by_owner.values())
