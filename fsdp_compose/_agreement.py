@@ -4,23 +4,27 @@ on every rank alike, instead of a hang or a size mismatch inside the first all-g
 from __future__ import annotations
 
 import hashlib
+from typing import cast
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._collectives import all_gather_object, collective_failed
 from ._unit import Unit
 
+# One rank's view: (label, digest of its parameters) per unit, and its local problem.
+_RankView = tuple[list[tuple[str, str]], str | None]
+
 
 def check_ranks_agree(units: list[Unit], mesh: DeviceMesh, problem: str | None) -> None:
     """Raise on every rank of `mesh` if any rank has a `problem` (a local check's message)
     or if the ranks' units differ in names, shapes or dtypes of their parameters."""
-    local = ([(u.label, _digest(u)) for u in units], problem)
+    local: _RankView = ([(u.label, _digest(u)) for u in units], problem)
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
         if group.size() == 1:
             continue
         try:
-            gathered = all_gather_object(local, group)
+            gathered = cast(list[_RankView], all_gather_object(local, group))
         except RuntimeError as error:
             check = "model check of the first forward"
             raise collective_failed(units[0].label, check, group.size(), error) from error

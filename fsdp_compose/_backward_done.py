@@ -138,15 +138,15 @@ def hook_inputs(
         if not x.requires_grad:
             return args, kwargs, False
         if x.is_leaf:
-            return _InputsDone.apply(hook, x), kwargs, True
+            return _InputsDone.apply(hook, x), kwargs, True  # type: ignore[no-untyped-call]
         view = x.view_as(x)
-        view.grad_fn.register_hook(hook)  # called with the node's gradients: unused
+        view.grad_fn.register_hook(hook)  # type: ignore[union-attr]  # a view has a node
         return (view,), kwargs, True
     flat, spec = tree_flatten((args, kwargs))
     where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not where:
         return args, kwargs, False
-    outs = _InputsDone.apply(hook, *(flat[i] for i in where))
+    outs = _InputsDone.apply(hook, *(flat[i] for i in where))  # type: ignore[no-untyped-call]
     for i, out in zip(where, outs):
         flat[i] = out
     new_args, new_kwargs = tree_unflatten(flat, spec)

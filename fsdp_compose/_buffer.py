@@ -17,6 +17,7 @@ class ReusedBuffer:
     """
 
     __slots__ = ("_nbytes", "_spec", "_storage", "_tensor", "flat")
+    flat: torch.Tensor  # the taken tensor, 1-D (a view, made once): set by the first take
 
     def __init__(self) -> None:
         self._tensor: torch.Tensor | None = None
@@ -24,7 +25,6 @@ class ReusedBuffer:
         self._storage: torch.UntypedStorage | None = None
         self._nbytes = 0
         self._spec: tuple[tuple[int, int], torch.dtype, torch.device] | None = None
-        self.flat: torch.Tensor | None = None  # the taken tensor, 1-D (a view, made once)
 
     def take(
         self, spec: tuple[tuple[int, int], torch.dtype, torch.device]

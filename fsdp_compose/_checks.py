@@ -200,16 +200,6 @@ def check_params(
         )
 
 
-def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
-    """Buffers follow their parameters to the mesh's device (parameters move by sharding);
-    meta buffers wait for `materialize`."""
-    for m in modules:
-        for module in m.modules():
-            for attr, buffer in module._buffers.items():
-                if buffer is not None and buffer.device != device and not buffer.is_meta:
-                    module._buffers[attr] = buffer.to(device)
-
-
 def mark_replaced(name: str, collected: Collected) -> None:
     """After a successful fully_shard: remember which parameters it replaced."""
     for fqn, param, _ in collected:

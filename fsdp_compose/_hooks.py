@@ -309,13 +309,15 @@ def _forward_raised(output: Any) -> bool:
     return output is None and sys.exc_info()[1] is not None
 
 
-@torch.compiler.disable
-def _run_eagerly(hook: Callable[..., Any], *args: Any) -> Any:
-    """Call `hook` eagerly. The module hooks call this first thing when torch.compile
-    traces them (dynamo reads is_dynamo_compiling() as True): they communicate and resize
-    storage, which graphs cannot hold, so compilation breaks the graph around them. Eager
-    calls go straight on: a wrapper around every hook would cost more than its bookkeeping."""
+def _call(hook: Callable[..., Any], *args: Any) -> Any:
     return hook(*args)
+
+
+# Calls a hook eagerly. The module hooks call this first thing when torch.compile traces
+# them (dynamo reads is_dynamo_compiling() as True): they communicate and resize storage,
+# which graphs cannot hold, so compilation breaks the graph around them. Eager calls go
+# straight on: a wrapper around every hook would cost more than its bookkeeping.
+_run_eagerly: Callable[..., Any] = torch.compiler.disable(_call)
 
 
 # The autograd engine's graph task on this thread, -1 outside backward (the hot hooks call

@@ -1,5 +1,5 @@
 """Initialisation: a model annotated on the meta device, materialised one module at a time;
-and every rank starting from the first rank's weights."""
+every rank starting from the first rank's weights; buffers moved to the mesh's device."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._collectives import broadcast
-from ._root import state_of
 from ._param import ShardedParam
+from ._root import state_of
 
 
 def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:
@@ -163,3 +163,13 @@ def sync_from_first_rank(
             broadcast(flat, mesh.get_group(dim))
         for t, values in zip(group, torch.split(flat, [t.numel() for t in group])):
             t.copy_(values.view_as(t))
+
+
+def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
+    """Buffers follow their parameters to the mesh's device (parameters move by sharding);
+    meta buffers wait for `materialize`."""
+    for m in modules:
+        for module in m.modules():
+            for attr, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != device and not buffer.is_meta:
+                    module._buffers[attr] = buffer.to(device)

@@ -61,7 +61,7 @@ class ShardedParam:
         shard_size, rank = mesh.shard_size, mesh.shard_rank
         # A tensor-parallel DTensor: we shard its local tensor (Note [tensor parallel]).
         self._tp = TensorParallel.of(param) if isinstance(param, DTensor) else None
-        whole = self._tp.local(param) if self._tp is not None else param.detach()
+        whole = self._tp.local(param) if self._tp is not None else param.detach()  # type: ignore[arg-type]  # a DTensor when _tp is set
         self.layout: ShardLayout = shard_layout(whole.shape, shard_size)
         self._local_shape = self.layout.local_shape(rank)
         self._local_stride = contiguous_stride(self._local_shape)
@@ -176,7 +176,7 @@ class ShardedParam:
         parameters, attr = self._home
         registered = parameters.get(attr)
         # As in every iteration: ours, sharded (its local tensor read directly).
-        if registered is self.sharded and registered._local_tensor is self._local:
+        if registered is self.sharded and _local_of(registered) is self._local:
             if self.unsharded.requires_grad is not registered.requires_grad:
                 self.unsharded.requires_grad_(registered.requires_grad)
             return False
@@ -219,7 +219,7 @@ class ShardedParam:
             return self._gather_target
         # The post-forward group divides the shard size, so its padded layout is no longer
         # than the full one: k * ceil(n / k) <= W * ceil(n / W) when k divides W.
-        layout = self._post_forward[0]
+        layout = self._post_forward_plan()[0]
         rows = layout.shard_size * layout.padded_shard_numel
         return self._unsharded_buffer.data[:rows].view(layout.shard_size, -1)
 
@@ -232,9 +232,13 @@ class ShardedParam:
         layout = shard_layout(self.layout.shape, group_size)
         self._post_forward = (layout, chunk_range(self.layout.shape[0], group_size, index))
 
+    def _post_forward_plan(self) -> tuple[ShardLayout, range]:
+        assert self._post_forward is not None, f"{self.fqn}: no post-forward group set"
+        return self._post_forward
+
     @property
     def post_forward_numel(self) -> int:
-        return self._post_forward[0].padded_shard_numel
+        return self._post_forward_plan()[0].padded_shard_numel
 
     def take_post_forward_shard(self) -> torch.Tensor:
         """The kept piece (see keep_post_forward_shard), no longer kept."""
@@ -244,7 +248,7 @@ class ShardedParam:
 
     def keep_post_forward_shard(self) -> None:
         """Copy this rank's piece of the post-forward layout out of the unsharded data."""
-        layout, rows = self._post_forward
+        layout, rows = self._post_forward_plan()
         shard = self.unsharded.detach().new_empty(layout.padded_shard_numel)  # padding unread
         shard[: len(rows) * layout.row_numel].copy_(
             self.unsharded.detach()[rows.start : rows.stop].reshape(-1)
@@ -291,7 +295,8 @@ class ShardedParam:
         if self.sharded.grad is None:
             # The parameter's own spec, without from_local's autograd function: this runs
             # for every parameter after every backward.
-            self.sharded.grad = DTensor(local, self.sharded._spec, requires_grad=False)
+            spec = self.sharded._spec  # type: ignore[attr-defined]  # a Parameter of a DTensor
+            self.sharded.grad = DTensor(local, spec, requires_grad=False)
             return local
         grad = _local_of(self.sharded.grad)
         grad.add_(local)
@@ -308,7 +313,9 @@ def _swap_keeping_grad(kept: nn.Parameter, new: nn.Parameter) -> None:
         kept.grad = grad
 
 
-def _local_of(dtensor: DTensor) -> torch.Tensor:
-    # The local tensor itself: to_local() of a Parameter returns a fresh view, and identity
-    # is how we tell our shard from one that replaced it.
-    return dtensor._local_tensor
+def _local_of(dtensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (or a Parameter holding one) itself: to_local() of a
+    Parameter returns a fresh view, and identity is how we tell our shard from one that
+    replaced it."""
+    local: torch.Tensor = dtensor._local_tensor  # type: ignore[attr-defined]
+    return local

@@ -103,6 +103,7 @@ class Reducer:
         reduction = self._grad_reduction()
         side = unit.streams
         final = None
+        work: Work | torch.Event | None
         if side is None:
             reduced, work = self._reduce_scatter(flat, numel, reduction, async_op=True)
         else:

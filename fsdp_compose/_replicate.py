@@ -7,7 +7,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._fully_shard import FSDPModule, fully_shard
+from ._fsdp_module import FSDPModule
+from ._fully_shard import fully_shard
 from ._meshes import default_mesh, replica_mesh
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from torch import nn
 
-from ._fully_shard import FSDPModule, fully_shard
+from ._fsdp_module import FSDPModule
+from ._fully_shard import fully_shard
 
 
 @dataclass(frozen=True)
