@@ -11,13 +11,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._checks import (
-    SHARDED_MARK, check_mesh, check_modules, check_options, check_params,
+    SHARDED_MARK, Collected, check_mesh, check_modules, check_options, check_params,
     check_reshard_after_forward, collect_params, mark_replaced,
 )
 from ._fsdp_module import FSDPModule
 from ._hooks import UnitState
 from ._init import move_buffers, sync_from_first_rank, unit_buffers
-from ._meshes import default_mesh, unit_mesh
+from ._meshes import UnitMesh, default_mesh, unit_mesh
 from ._param import ShardedParam
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._root import STATE_ATTR
@@ -113,15 +113,24 @@ def fully_shard(
     collected = collect_params(modules, name, set(ignored_params or ()))
     check_params(name, collected, device, mp_policy, mesh)
 
-    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     if sync_module_states:
         tensors = [p for _, p, _ in collected] + unit_buffers(modules)
         sync_from_first_rank(tensors, mesh, device)
+    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
+    _annotate(modules, name, collected, resolved, mp_policy, offload)
+    return module  # type: ignore[return-value]  # annotated in place: now FSDPModules
+
+
+def _annotate(
+    modules: list[nn.Module], name: str, collected: Collected, resolved: UnitMesh,
+    mp_policy: MixedPrecisionPolicy, offload: CPUOffloadPolicy | None,
+) -> None:
+    """Shard the checked parameters, build the unit and install its hooks."""
     params = [
         ShardedParam(fqn, p, owners, resolved, mp_policy, offload)
         for fqn, p, owners in collected
     ]
-    move_buffers(modules, device)
+    move_buffers(modules, resolved.device)
     unit = Unit(params, resolved)
     unit.set_post_forward_mesh(resolved.post_forward_mesh)
     state = UnitState(
@@ -138,7 +147,6 @@ def fully_shard(
     state.install_hooks()
     install_state_dict_hooks(state)
     mark_replaced(name, collected)
-    return module  # type: ignore[return-value]
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:

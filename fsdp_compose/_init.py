@@ -47,11 +47,7 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
         )
     if init_fn is None:
         _check_resettable(module)
-    owned = {
-        (id(owner), attr): param
-        for m in module.modules() if (state := state_of(m)) is not None
-        for param in state.unit.params for owner, attr in param.owners
-    }
+    owned = _owned_params(module)
     whole: dict[ShardedParam, nn.Parameter] = {}
     owners_left: dict[ShardedParam, int] = {}
 
@@ -69,17 +65,33 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
             m.reset_parameters()  # type: ignore[operator]
         for _, param in mine:
             if param is not None and param in whole:
-                owners_left[param] -= 1
-                if not owners_left[param]:
-                    param.materialize(whole.pop(param).detach())
-                    for owner, attr in param.owners:
-                        owner._parameters[attr] = param.sharded
+                _shard_if_done(param, whole, owners_left)
 
     with torch.no_grad():
         visit(module, root.unit.device)
     for m in module.modules():
         if (state := state_of(m)) is not None:
             state.unit.shards_replaced()
+
+
+def _owned_params(module: nn.Module) -> dict[tuple[int, str], ShardedParam]:
+    """(id(owner), attribute) -> the sharded parameter there, for every unit under `module`."""
+    return {
+        (id(owner), attr): param
+        for m in module.modules() if (state := state_of(m)) is not None
+        for param in state.unit.params for owner, attr in param.owners
+    }
+
+
+def _shard_if_done(
+    param: ShardedParam, whole: dict[ShardedParam, nn.Parameter], owners_left: dict[ShardedParam, int]
+) -> None:
+    """One owner of `param` was initialised: once the last was, keep this rank's shard."""
+    owners_left[param] -= 1
+    if not owners_left[param]:
+        param.materialize(whole.pop(param).detach())
+        for owner, attr in param.owners:
+            owner._parameters[attr] = param.sharded
 
 
 def _materialize_own(
