@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ._param import REPLACED_MARK
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._root import state_of
 
@@ -22,9 +23,6 @@ if TYPE_CHECKING:
 # tell "sharded by an enclosing fully_shard" from a tensor-parallel DTensor.
 SHARDED_MARK = "_fsdp_compose_sharded"
 
-# Marks each parameter fully_shard replaced, with where it was, so an optimizer still
-# holding it (built before fully_shard) is caught at its first step.
-REPLACED_MARK = "_fsdp_compose_replaced"
 _OPTIMIZER_CHECKED = "_fsdp_compose_checked"
 
 Collected = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
@@ -41,6 +39,14 @@ def check_modules(modules: list[nn.Module]) -> None:
             raise ValueError(
                 f"fully_shard({type(m).__name__}): this module is already annotated; call "
                 "fully_shard once per module."
+            )
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            # Its hooks would never run: nothing calls a container without forward.
+            raise ValueError(
+                f"fully_shard({type(m).__name__}): a container without forward is never called, "
+                "so its unit would never gather. Annotate its children (for block in "
+                "container: fully_shard(block)), or pass them as one unit: "
+                "fully_shard(list(container))."
             )
 
 
@@ -98,6 +104,13 @@ def check_options(
 def check_mesh(name: str, mesh: object) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard({name}): mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    device_type = mesh.device_type
+    if device_type != "cpu" and not _device_available(device_type):
+        raise ValueError(
+            f"fully_shard({name}): the mesh is on device type {device_type!r}, which this "
+            f"torch build or machine does not have (torch.{device_type}.is_available() is "
+            "False). Build the mesh on \"cpu\" (gloo), or run where that device is present."
+        )
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard({name}): the mesh has {mesh.ndim} dimensions; pass a 1-D mesh "
@@ -108,6 +121,12 @@ def check_mesh(name: str, mesh: object) -> None:
             f"fully_shard({name}): a 2-D mesh needs names for its (replicate, shard) "
             "dimensions: init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))."
         )
+
+
+def _device_available(device_type: str) -> bool:
+    module = getattr(torch, device_type, None)
+    is_available = getattr(module, "is_available", None)
+    return bool(is_available()) if callable(is_available) else False
 
 
 def collect_params(
@@ -203,7 +222,11 @@ def check_params(
 def mark_replaced(name: str, collected: Collected) -> None:
     """After a successful fully_shard: remember which parameters it replaced."""
     for fqn, param, _ in collected:
-        setattr(param, REPLACED_MARK, f"{fqn!r} of {name}")
+        setattr(
+            param, REPLACED_MARK,
+            f"parameter {fqn!r} of {name} as it was before fully_shard, which replaced it by "
+            "a sharded DTensor",
+        )
     _install_optimizer_check()
 
 
@@ -221,9 +244,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
         for param in group["params"]:
             if (where := getattr(param, REPLACED_MARK, None)) is not None:
                 raise RuntimeError(
-                    f"{type(optimizer).__name__} holds parameter {where} as it was before "
-                    "fully_shard, which replaced it by a sharded DTensor: stepping it would "
-                    "change nothing the model uses. Build the optimizer after fully_shard, "
-                    "from model.parameters()."
+                    f"{type(optimizer).__name__} holds {where}: stepping it would change "
+                    "nothing the model uses. Build the optimizer after fully_shard (and after "
+                    "replacing parameters), from model.parameters()."
                 )
     optimizer.__dict__[_OPTIMIZER_CHECKED] = True

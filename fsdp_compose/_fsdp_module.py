@@ -77,8 +77,16 @@ class FSDPModule:
 
     def reset_iter_state(self) -> None:
         """Forget the current iteration (e.g. after an exception): every unit under the root
-        is resharded and IDLE. Safe to call at any time."""
-        self._state().reset_iter_state()
+        is resharded and IDLE. Safe to call at any time, on the root (before the first
+        forward, on any annotated module: none is a root yet)."""
+        state = self._state()
+        if state.initialised and not state.is_root:
+            raise RuntimeError(
+                f"{type(self).__name__}.reset_iter_state(): unit {state.label} is not a root; "
+                f"call reset_iter_state on its root, {type(state.root.state.modules[0]).__name__} "
+                "(the outermost annotated module), which resets every unit under it."
+            )
+        state.reset_iter_state()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for code written for torch's fully_shard, which waits for pending

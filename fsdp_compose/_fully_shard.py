@@ -131,7 +131,7 @@ def _annotate(
         for fqn, p, owners in collected
     ]
     move_buffers(modules, resolved.device)
-    unit = Unit(params, resolved)
+    unit = Unit(params, resolved, name)
     unit.set_post_forward_mesh(resolved.post_forward_mesh)
     state = UnitState(
         modules, unit, resolved.reshard_after_forward, mp_policy, name,

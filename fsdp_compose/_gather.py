@@ -149,6 +149,8 @@ class Gatherer:
         one storage, allocated and freed at once. Parameters of different dtypes keep
         their own (their shards are copied in at each gather)."""
         unit, params = self._unit, self.params
+        if (problem := unit.meta_problem()) is not None:
+            raise RuntimeError(problem)
         self._flat, self._flat_needs_cast, self._spec = _flat_shards(params, unit.shard_numel), False, None
         rows, dtype, device = unit.shard_size, unit.param_dtype, unit.device
         if self._flat is not None:

@@ -60,7 +60,8 @@ def default_mesh(name: str) -> DeviceMesh:
             "torch.distributed.init_process_group() first (torchrun sets up its environment), "
             "or pass mesh=."
         )
-    accelerator = torch.accelerator.current_accelerator()
+    # Only an accelerator that is there: a CUDA build names "cuda" without a driver too.
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
     device_type = accelerator.type if accelerator is not None else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -12,6 +13,12 @@ from ._meshes import UnitMesh
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ._sharding import ShardLayout, chunk_range, contiguous_stride, shard_layout
 from ._tensor_parallel import TensorParallel
+
+
+# Marks each tensor whose update would be lost because fully_shard no longer uses it (the
+# parameters it replaced, tensors assigned over sharded parameters), with why: an optimizer
+# holding one is refused at its first step (_checks.py).
+REPLACED_MARK = "_fsdp_compose_replaced"
 
 
 class Registration(NamedTuple):
@@ -96,7 +103,7 @@ class ShardedParam:
             self._local.copy_(local)
         sharded = nn.Parameter(self._as_dtensor(self._local), requires_grad=requires_grad)
         if keep is not None:
-            _swap_keeping_grad(keep, sharded)
+            _give_data(keep, sharded)
             sharded = keep
         self.sharded = sharded
         self._local = _local_of(sharded)  # a detached alias of the view: Parameter() detaches
@@ -111,7 +118,7 @@ class ShardedParam:
         self.padded_shard = flat_piece
         local = flat_piece[: self._local_shape.numel()].view(self._local_shape)
         sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.sharded.requires_grad)
-        _swap_keeping_grad(self.sharded, sharded)
+        _give_data(self.sharded, sharded)
         self._local = _local_of(self.sharded)
 
     def _allocate_unsharded_buffer(self, device: torch.device) -> None:
@@ -167,12 +174,13 @@ class ShardedParam:
         local = self._tp.slice(whole.detach()) if self._tp is not None else whole.detach()
         return self._as_dtensor(local[self._rows.start : self._rows.stop])
 
-    def adopt_registered(self) -> bool:
+    def adopt_registered(self, fqn_prefix: str = "") -> bool:
         """Make what the module holds our shard again, if it changed behind our back:
         `module.to_empty()` / `.to()` swap the sharded parameter's data, `load_state_dict(
-        assign=True)` or an assignment replace the parameter (a whole tensor is sharded);
-        the unsharded form follows a parameter frozen or unfrozen since. Returns whether the
-        shard was stored anew."""
+        assign=True)` replaces it by a DTensor (which becomes the sharded parameter), an
+        assignment by a whole tensor (whose values are copied into the sharded parameter,
+        with a warning naming it, `fqn_prefix + fqn`); the unsharded form follows a parameter
+        frozen or unfrozen since. Returns whether the shard was stored anew."""
         parameters, attr = self._home
         registered = parameters.get(attr)
         # As in every iteration: ours, sharded (its local tensor read directly).
@@ -195,7 +203,10 @@ class ShardedParam:
                 )
             self._store_shard(_local_of(registered), registered.requires_grad, keep=registered)
         elif isinstance(registered, torch.Tensor) and registered.shape == self.shape:
-            self._store_shard(self.shard_of(registered).to_local(), registered.requires_grad)
+            # Into the sharded parameter the optimizer holds, so that it steps the new values.
+            local = self.shard_of(registered).to_local()
+            self._store_shard(local, registered.requires_grad, keep=self.sharded)
+            _warn_copied(fqn_prefix + self.fqn, registered)
         else:
             found = "None" if registered is None else f"shape {tuple(registered.shape)}"
             raise ValueError(
@@ -303,14 +314,41 @@ class ShardedParam:
         return grad
 
 
-def _swap_keeping_grad(kept: nn.Parameter, new: nn.Parameter) -> None:
-    """Give `kept` (the object optimizers and modules hold) the data of `new`, and keep its
-    `.grad` where it still fits (e.g. module.to() converted both): swap_tensors would move
-    the `.grad` to the discarded tensor."""
+def _give_data(kept: nn.Parameter, new: nn.Parameter) -> None:
+    """Give `kept` (the object optimizers, modules and tools hold) the data of `new`.
+
+    When only the local tensor differs (same dtype, device and DTensor spec: a shard moved
+    into the flat shard, or values stored anew), by making new's local tensor kept's, as
+    torch's fully_shard does: swap_tensors refuses a tensor that anything holds a weak
+    reference to (torch's MemTracker does, for every parameter it saw). Else (a dtype or
+    device changed, e.g. from the meta device) by swap_tensors, keeping `.grad` where it
+    still fits: swap_tensors would move it to the discarded tensor."""
+    if (kept.dtype, kept.device) == (new.dtype, new.device) and kept._spec == new._spec:  # type: ignore[attr-defined]
+        kept._local_tensor = _local_of(new)  # type: ignore[attr-defined]
+        kept.requires_grad_(new.requires_grad)
+        return
     grad = kept.grad
     torch.utils.swap_tensors(kept, new)
     if grad is not None and (grad.shape, grad.dtype) == (kept.shape, kept.dtype):
         kept.grad = grad
+
+
+def _warn_copied(fqn: str, replacement: torch.Tensor) -> None:
+    """A whole tensor replaced parameter `fqn` after fully_shard: say what became of it, and
+    mark it so that an optimizer holding it is refused at its first step."""
+    setattr(
+        replacement, REPLACED_MARK,
+        f"the tensor assigned to parameter {fqn!r} after fully_shard, whose values were "
+        "copied into the sharded parameter the model keeps",
+    )
+    warnings.warn(
+        f"fsdp_compose: parameter {fqn!r} was replaced after fully_shard by a new tensor. Its "
+        "values were copied into the model's sharded parameter (the object that "
+        "model.parameters() and optimizers built before return), which trains on; the new "
+        "object is not part of the model. To avoid this warning, change the parameter in "
+        "place (with torch.no_grad(): param.copy_(value)) or replace it before fully_shard.",
+        stacklevel=2,
+    )
 
 
 def _local_of(dtensor: torch.Tensor) -> torch.Tensor:

@@ -137,18 +137,11 @@ def _units_under(root: UnitState) -> list[UnitState]:
                 "annotated module first."
             )
         s.label = s.unit.label = fqn or f"<root {type(module).__name__}>"
+        s.unit.fqn_prefix = f"{fqn}." if fqn else ""
         states.append(s)
     return states
 
 
 def _local_problem(states: list[UnitState]) -> str | None:
     """What this rank alone can see is wrong (every rank raises it: check_ranks_agree)."""
-    for s in states:
-        if meta := [p.fqn for p in s.unit.params if p.is_meta]:
-            return (
-                f"fsdp_compose: unit {s.label} on rank {s.unit.mesh.get_rank()} ran "
-                f"forward with parameters on the meta device ({', '.join(meta)}). "
-                "Initialise them first: fsdp_compose.materialize(model), or "
-                "model.to_empty(device=...) and your own initialisation."
-            )
-    return None
+    return next((p for s in states if (p := s.unit.meta_problem()) is not None), None)

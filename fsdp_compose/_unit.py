@@ -21,9 +21,12 @@ from ._streams import side_streams
 
 
 class Unit:
-    def __init__(self, params: list[ShardedParam], mesh: UnitMesh) -> None:
+    def __init__(self, params: list[ShardedParam], mesh: UnitMesh, label: str) -> None:
         self.params = params
-        self.label = "<not run yet>"  # the module's fqn under its root, set at the first forward
+        # For messages: the modules' class names, then (at the first forward) their fqn
+        # under the root, which prefixes the parameters' fqns (relative to the unit).
+        self.label = label
+        self.fqn_prefix = ""
         self.mesh = mesh.mesh
         self.device = mesh.device  # where the unsharded parameters live
         self.streams = side_streams(mesh.device)  # None on the CPU
@@ -72,8 +75,21 @@ class Unit:
         and follow parameters frozen or unfrozen since. Parameters change between
         iterations: forward calls this once per iteration, not at every gather."""
         for p in self.params:
-            if p.adopt_registered():
+            if p.adopt_registered(self.fqn_prefix):
                 self.shards_replaced()
+
+    def meta_problem(self) -> str | None:
+        """What is wrong when some parameters are still on the meta device (a local check,
+        made before any collective), else None."""
+        if not (meta := [p.fqn for p in self.params if p.is_meta]):
+            return None
+        names = ", ".join(self.fqn_prefix + fqn for fqn in meta)
+        return (
+            f"fsdp_compose: unit {self.label} on rank {self.mesh.get_rank()}: parameters still "
+            f"on the meta device: [{names}]. Initialise them before running forward or "
+            "unshard: fsdp_compose.materialize(model), or model.to_empty(device=...) and your "
+            "own initialisation."
+        )
 
     def shards_replaced(self) -> None:
         """Some parameter stored a new shard (materialized, or adopted from its module):

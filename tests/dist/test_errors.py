@@ -60,8 +60,8 @@ def check_misuse_errors() -> None:
     with torch.device("meta"):
         on_meta = MLP()
     fully_shard(on_meta)
-    _raises(RuntimeError, r"unit <root FSDPMLP> on rank 0 ran forward with parameters on the meta device "
-            r"\(layers\.0\.weight, .*fsdp_compose\.materialize\(model\)", on_meta, torch.ones(1, 8))
+    _raises(RuntimeError, r"unit <root FSDPMLP> on rank 0: parameters still on the meta device: "
+            r"\[layers\.0\.weight, .*fsdp_compose\.materialize\(model\)", on_meta, torch.ones(1, 8))
 
     mixed = MLP()
     mixed.layers[1].to(torch.float64)
@@ -126,8 +126,8 @@ def check_ranks_with_different_models_fail_alike() -> None:
     with torch.device(device):
         model = MLP()
     fully_shard(model)
-    _raises(RuntimeError, r"unit <root FSDPMLP> on rank 1 ran forward with parameters on the "
-            r"meta device", model, torch.ones(1, 8))
+    _raises(RuntimeError, r"unit <root FSDPMLP> on rank 1: parameters still on the meta device",
+            model, torch.ones(1, 8))
 
 
 def test_ranks_with_different_models_fail_alike(ranks):
