@@ -213,11 +213,12 @@ class FSDPModule:
         for state in self._states(recurse):
             state.unit.reducer.reduce_scatter_unused_params = reduce_scatter_unused_params
 
-    def set_post_optim_event(self, event: torch.Event) -> None:
+    def set_post_optim_event(self, event: torch.Event | None) -> None:
         """The next forward's all-gathers wait for `event` (recorded after an optimizer step
         on another stream) instead of everything before them. Waited for once, then
-        dropped: set a new event every iteration. Call on the root."""
-        if not callable(getattr(event, "wait", None)):
+        dropped: set a new event every iteration. Call on the root. None (what recording an
+        event on the CPU's current stream returns) waits for nothing."""
+        if event is not None and not callable(getattr(event, "wait", None)):
             raise TypeError(
                 f"{type(self).__name__}.set_post_optim_event: expected a torch.Event, got "
                 f"{type(event).__name__}."

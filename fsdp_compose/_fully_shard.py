@@ -141,6 +141,9 @@ def _annotate(
         setattr(param.sharded, SHARDED_MARK, True)
         param.to_sharded()
     for m in modules:
+        for managed in m.modules():  # the markers torch's fully_shard sets, which
+            managed._is_fsdp_managed_module = True  # transformers and dynamo read
+            managed._fsdp_use_orig_params = True
         m.__dict__[STATE_ATTR] = state
         original: type = type(m)
         m.__class__ = _annotated_class(original)

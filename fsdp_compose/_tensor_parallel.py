@@ -33,7 +33,7 @@ class TensorParallel(NamedTuple):
         """The local tensor of `tensor` in our placements (a gradient may come Partial)."""
         if tuple(tensor.placements) != self.placements:
             tensor = tensor.redistribute(self.mesh, self.placements)
-        return tensor._local_tensor.detach()
+        return tensor.to_local().detach()
 
     def slice(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's TP-local part of a whole tensor."""

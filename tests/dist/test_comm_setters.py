@@ -249,6 +249,11 @@ def check_post_optim_event() -> list[str]:
     mse_loss(model, x).backward()  # no new event: nothing waited
     with pytest.raises(TypeError, match="set_post_optim_event: expected a torch.Event, got int"):
         model.set_post_optim_event(1)
+    # What torch.get_device_module("cpu").current_stream().record_event() returns: nothing to wait for.
+    cpu_event = torch.get_device_module("cpu").current_stream().record_event()
+    model.set_post_optim_event(cpu_event)
+    mse_loss(model, x).backward()
+    assert cpu_event is None
     return log
 
 

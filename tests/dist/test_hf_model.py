@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations.fsdp import is_fsdp_managed_module
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from fsdp_compose import WrapPolicy, checkpoint_blocks, wrap
@@ -57,3 +58,25 @@ def check_hf_llama_parity(steps: int) -> float:
 
 def test_hf_llama_trains_like_single_process_and_torch(ranks):
     assert ranks.run(check_hf_llama_parity, world_size=2, steps=3) == [0.0, 0.0]
+
+
+def check_generate_with_uneven_stopping() -> int:
+    """generate() on every rank, each stopping at another length: transformers keeps the
+    ranks that finished running forward (synced_gpus) because it sees the model is
+    FSDP-managed, so every rank's all-gathers still pair up."""
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(CONFIG).eval()
+    ours = copy.deepcopy(ref)
+    wrap(ours, WrapPolicy(module_classes=(LlamaDecoderLayer,)), mesh=make_mesh())
+    assert is_fsdp_managed_module(ours) and is_fsdp_managed_module(ours.model.layers[0].mlp)
+    rank = dist.get_rank()
+    prompt = token_batch(rank, 1, seq=4)
+    settings = {"max_new_tokens": 2 + 5 * rank, "do_sample": False, "pad_token_id": 0}
+    expected = ref.generate(prompt, **settings)
+    generated = ours.generate(prompt, **settings)
+    assert torch.equal(generated, expected), (generated, expected)
+    return generated.shape[1]
+
+
+def test_generate_with_ranks_stopping_at_different_steps(ranks):
+    assert ranks.run(check_generate_with_uneven_stopping, world_size=2, timeout=120) == [7, 12]
