@@ -10,13 +10,19 @@ gathered output and chunks the reduce-scatter's input. Further rounds time the c
 the process group, for both runtimes, and report what remains as the runtime's own. On a
 one-rank gloo group both runtimes skip communication altogether. The contenders run
 interleaved, in one process.
+
+Each backend's results go to overhead.json in --out under the backend's name, next to the
+other backend's from an earlier run, with the machine, versions and date
+(benchmarks/report.py turns them into docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,6 +31,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from provenance import provenance
 
 from fsdp_compose import fully_shard
 
@@ -94,7 +102,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
+    config = {**vars(args), **provenance()}
+    start = time.perf_counter()
     if args.backend == "fake":
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     else:
@@ -123,13 +134,38 @@ def main() -> None:
           f"Linear({args.dim}, {args.dim})  batch {args.batch}  median of {args.repeats}")
     print(f"{'variant':<20}{'step ms':>10}{'us / unit':>12}{'collectives':>14}{'runtime':>10}"
           f"{'calls / unit':>14}")
+    variants = {}
     for name, samples in times.items():
         median = statistics.median(samples)
         per_unit = (median - floor) / args.units * 1e6
         in_collectives = statistics.median(inside[name]) / args.units * 1e6
         print(f"{name:<20}{median * 1e3:>10.2f}{per_unit:>12.1f}{in_collectives:>14.1f}"
               f"{per_unit - in_collectives:>10.1f}{calls[name] / args.units:>14.2f}")
+        variants[name] = {
+            "step_seconds": median, "step_samples": samples, "us_per_unit": per_unit,
+            "collectives_us_per_unit": in_collectives, "runtime_us_per_unit": per_unit - in_collectives,
+            "collective_samples": inside[name], "calls_per_unit": calls[name] / args.units,
+        }
+    config["world_size"] = dist.get_world_size()
+    config["wall_seconds"] = time.perf_counter() - start
+    write(args.out, args.backend, {"config": config, "variants": variants})
     dist.destroy_process_group()
+
+
+def write(out: Path, backend: str, result: dict) -> None:
+    """Into out/overhead.json under `backend`, keeping the other backend's results."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "overhead.json"
+    results = {}
+    if path.exists():
+        try:
+            results = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            pass
+        if not isinstance(results, dict):
+            results = {}
+    results[backend] = result
+    path.write_text(json.dumps(results, indent=1, default=str))
 
 
 if __name__ == "__main__":

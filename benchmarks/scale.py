@@ -12,7 +12,9 @@ per block plus the root), trained with AdamW. Per world size: peak tracked memor
 at dispatch) against the analytic floor, and the CPU time of a step (no data moves between
 ranks, so this is the per-rank cost of the runtime and of filling the buffers). Every
 parameter is padded to W shards on dim 0, so once W outgrows a dimension the shards stop
-shrinking: the analytic figures count that padding, as both runtimes allocate it.
+shrinking: the analytic figures count that padding, as both runtimes allocate it. Writes
+scale.json to --out, with the machine, versions and date (benchmarks/report.py turns it
+into docs/performance.md).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from provenance import provenance
 from step import (
     CollectiveCounter, add_model_arguments, analytic, batch, build, measure_memory, train_step,
 )
+from train_gpt import GPT  # on the path once step is imported
 
 CPU = torch.device("cpu")
 SHARDED = ("fsdp_compose", "FSDP2")
@@ -62,13 +66,20 @@ def at_world(args: argparse.Namespace, world: int) -> dict:
         gc.collect()  # meshes go before the process group
     finally:
         dist.destroy_process_group()
-    return {"world_size": world, "step_seconds": seconds, "communication": communication,
-            "peak_memory": memory, "analytic": floor}
+    return {"world_size": world, "step_seconds": seconds, "step_samples": times,
+            "communication": communication, "peak_memory": memory, "analytic": floor}
 
 
-def report(results: list[dict], out: Path) -> None:
+def largest_rows(args: argparse.Namespace) -> int:
+    """The model's largest dim 0: past that many ranks, no parameter's shard shrinks."""
+    with torch.device("meta"):
+        model = GPT(args.vocab, args.dim, args.heads, args.depth, args.seq)
+    return max(p.shape[0] for p in model.parameters())
+
+
+def report(config: dict, results: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scale.json").write_text(json.dumps(results, indent=1))
+    (out / "scale.json").write_text(json.dumps({"config": config, "worlds": results}, indent=1, default=str))
     print(f"{'W':>6}{'peak KiB':>10}{'FSDP2':>10}{'bound':>10}{'vs bound':>9}"
           f"{'gathered B':>12}{'reduced B':>11}{'floor?':>7}{'step ms':>9}{'FSDP2':>9}")
     for r in results:
@@ -97,7 +108,12 @@ def main() -> None:
     if any(not 0 <= args.rank < world for world in args.worlds):
         parser.error(f"--rank {args.rank} is not a rank of every world size in {args.worlds}")
     torch.set_num_threads(1)  # one rank's share of a machine
-    report([at_world(args, world) for world in args.worlds], args.out)
+    start = time.perf_counter()
+    config = {**vars(args), "device": str(CPU), "backend": "fake", **provenance(CPU),
+              "largest_rows": largest_rows(args)}
+    results = [at_world(args, world) for world in args.worlds]
+    config["wall_seconds"] = time.perf_counter() - start
+    report(config, results, args.out)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ prefetched, and the gradient of the one computing), plus the floor's activations
 temporaries at its peak. Collectives and bytes per step are counted at dispatch, next to
 the analytic floor of one all-gather per unit per pass and one reduce-scatter per unit.
 On CUDA it also reports MFU and, from the profiler, the fraction of communication hidden
-under compute. Rank 0 prints a table and writes JSON and a PNG chart (with matplotlib) to
---out.
+under compute. Rank 0 prints a table and writes JSON (with the machine, versions and
+date: benchmarks/report.py turns it into docs/performance.md) and a PNG chart (with
+matplotlib) to --out.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import GPT, counting_batch, init_distributed  # noqa: E402
+
+from provenance import provenance  # noqa: E402
 
 from fsdp_compose import fully_shard  # noqa: E402
 
@@ -232,7 +235,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     reference = losses["FSDP2"]
     return {
         "config": {**vars(args), "world_size": dist.get_world_size(), "device": str(device),
-                   "torch": torch.__version__},
+                   "backend": dist.get_backend(), **provenance(device)},
         "step_seconds": median,
         "vs_fsdp2": {n: median[n] / median["FSDP2"] for n in CONTENDERS},
         "vs_floor": {n: median[n] / median["floor"] for n in CONTENDERS},
@@ -277,29 +280,11 @@ def report(result: dict, out: Path) -> None:
     for key in ("mfu", "hidden_communication"):
         if result[key] is not None:
             print(f"{key}: " + ", ".join(f"{n} {v:.3f}" for n, v in result[key].items()))
-    try:
-        import matplotlib
-    except ImportError:
+    from report import plot_step  # the chart of docs/performance.md
+
+    if not plot_step(result, out / "step.png"):
         print("matplotlib not installed: no chart (pip install matplotlib)")
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.bar(CONTENDERS, [result["step_seconds"][n] * 1e3 for n in CONTENDERS])
-    left.set_ylabel("median step (ms)")
-    categories = [c for c in next(iter(memory.values())) if c != "Total"]
-    bottom = [0.0] * len(CONTENDERS)
-    for category in categories:
-        values = [memory[n].get(category, 0) / 1024 for n in CONTENDERS]
-        right.bar(CONTENDERS, values, bottom=bottom, label=category)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    right.axhline(bound / 1024, color="black", linestyle="--", label="FSDP analytic bound")
-    right.set_ylabel("peak memory per rank (KiB)")
-    right.legend(fontsize=7)
-    figure.suptitle(f"{result['config']['world_size']} ranks, {result['config']['device']}")
-    figure.tight_layout()
-    figure.savefig(out / "step.png", dpi=120)
     print(f"wrote {out / 'step.json'} and {out / 'step.png'}")
 
 
@@ -325,7 +310,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, help="GPU peak, for MFU")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
+    start = time.perf_counter()
     result = run(args, init_distributed())
+    result["config"]["wall_seconds"] = time.perf_counter() - start
     if dist.get_rank() == 0:
         report(result, args.out)
     gc.collect()  # meshes go before the process group (see examples/train_gpt.py)

@@ -25,6 +25,7 @@ from ._state_dict import install_state_dict_hooks
 from ._unit import Unit
 
 ShardPlacementFn = Callable[[nn.Parameter], Any]
+_MANAGED_MARKERS = {"_is_fsdp_managed_module": True, "_fsdp_use_orig_params": True}
 
 
 @functools.cache
@@ -142,8 +143,7 @@ def _annotate(
         param.to_sharded()
     for m in modules:
         for managed in m.modules():  # the markers torch's fully_shard sets, which
-            managed._is_fsdp_managed_module = True  # transformers and dynamo read
-            managed._fsdp_use_orig_params = True
+            managed.__dict__.update(_MANAGED_MARKERS)  # transformers and dynamo read
         m.__dict__[STATE_ATTR] = state
         original: type = type(m)
         m.__class__ = _annotated_class(original)
