@@ -4,7 +4,7 @@ first collective and before anything changes, so a failed call leaves the module
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,12 +12,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ._hooks import UnitState, state_of
 from ._param import REPLACED_MARK
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
-from ._root import state_of
-
-if TYPE_CHECKING:
-    from ._hooks import UnitState
 
 # Marks the sharded parameters fully_shard creates, so a later call on an inner module can
 # tell "sharded by an enclosing fully_shard" from a tensor-parallel DTensor.

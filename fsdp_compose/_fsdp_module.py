@@ -12,9 +12,9 @@ from torch import nn
 from ._checks import check_reshard_after_forward
 from ._codec import AllGatherCodec
 from ._collectives import CustomComm
-from ._hooks import UnitState
+from ._hooks import UnitState, state_of
 from ._meshes import resolve_reshard_after_forward, separate_group
-from ._root import STATE_ATTR, state_of
+from ._root import STATE_ATTR
 from ._unit import Unit
 
 

@@ -4,7 +4,7 @@ parameters, and back (reshard). The flat shard and the unsharded storage are lai
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -12,12 +12,31 @@ from torch.distributed import ProcessGroup, Work
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._buffer import ReusedBuffer
-from ._codec import decode_rows, encode_shards
-from ._collectives import all_gather, allocate, collective_failed
+from ._codec import AllGatherCodec, decode_rows, encode_shards
+from ._collectives import CustomComm, all_gather, allocate, collective_failed
 from ._param import Registration, ShardedParam
+from ._streams import SideStreams
 
-if TYPE_CHECKING:
-    from ._unit import Unit
+
+class GatheredUnit(Protocol):
+    """What a Gatherer reads of its unit (see Unit)."""
+
+    params: list[ShardedParam]
+    label: str
+    device: torch.device
+    streams: SideStreams | None
+    group: ProcessGroup
+    shard_size: int
+    sizes: list[int]
+    shard_numel: int
+    is_complex: bool
+    codecs: dict[ShardedParam, AllGatherCodec]
+    custom_all_gather: CustomComm | None
+
+    @property
+    def param_dtype(self) -> torch.dtype: ...
+    def layout_changed(self) -> None: ...
+    def meta_problem(self) -> str | None: ...
 
 
 class _Gather(NamedTuple):
@@ -44,7 +63,7 @@ class Gatherer:
     post-forward mesh (reshard_after_forward=<int>), resharding after forward keeps a piece
     of each parameter sharded over a smaller group, and the next unshard gathers there."""
 
-    def __init__(self, unit: Unit) -> None:
+    def __init__(self, unit: GatheredUnit) -> None:
         self._unit = unit
         self.params = unit.params
         self.is_unsharded = False

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from ._backward_done import BackwardEnd
 from ._comm_context import CommContext
 from ._policies import MixedPrecisionPolicy
-from ._root import Root
+from ._root import STATE_ATTR, Root
 from ._unit import Unit
 
 
@@ -50,10 +50,16 @@ for _phase, _next in _NEXT:
 IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = Phase
 
 
+def state_of(module: nn.Module) -> UnitState | None:
+    """The unit state fully_shard attached to `module`, if any."""
+    state: UnitState | None = module.__dict__.get(STATE_ATTR)
+    return state
+
+
 class UnitState:
     """One unit's hooks, phase and settings (what FSDPModule's setters change)."""
 
-    root: Root  # set at lazy init (the first forward), when `initialised` becomes True
+    root: Root[UnitState]  # set at lazy init (the first forward), when `initialised` becomes True
 
     def __init__(
         self, modules: list[nn.Module], unit: Unit, reshard_after_forward: bool | None,

@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._collectives import broadcast
+from ._hooks import state_of
 from ._param import ShardedParam
-from ._root import state_of
 
 
 def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:

@@ -4,7 +4,7 @@ HSDP, one all-reduce across replicas), into the unit's gradient ledger."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch.distributed import ProcessGroup, Work
@@ -14,10 +14,28 @@ from ._collectives import (
     CustomComm, GradReduction, all_reduce, allocate, collective_failed, grad_reduction,
     reduce_scatter,
 )
+from ._grad_ledger import GradLedger
 from ._param import ShardedParam
+from ._streams import SideStreams
 
-if TYPE_CHECKING:
-    from ._unit import Unit
+
+class ReducedUnit(Protocol):
+    """What a Reducer reads of its unit (see Unit)."""
+
+    params: list[ShardedParam]
+    label: str
+    device: torch.device
+    streams: SideStreams | None
+    shard_size: int
+    replicate_group: ProcessGroup | None
+    replicate_size: int
+    sizes: list[int]
+    shard_numel: int
+    is_complex: bool
+    grads: GradLedger
+
+    @property
+    def reduce_dtype(self) -> torch.dtype: ...
 
 
 class _Reduction(NamedTuple):
@@ -39,7 +57,7 @@ class _Reduction(NamedTuple):
 class Reducer:
     """Averages a unit's gradients over the mesh. Its settings are FSDPModule's setters'."""
 
-    def __init__(self, unit: Unit, group: ProcessGroup) -> None:
+    def __init__(self, unit: ReducedUnit, group: ProcessGroup) -> None:
         self._unit = unit
         self.params = unit.params
         self.gradient_divide_factor: float | None = None

@@ -7,45 +7,58 @@ unit under it then points to it. Units hold only their own state.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from torch import nn
 from torch.autograd import Variable
 
 from ._agreement import check_ranks_agree
+from ._backward_done import BackwardEnd
 from ._comm_context import CommContext
+from ._unit import Unit
 
-if TYPE_CHECKING:
-    from ._hooks import UnitState
-
-STATE_ATTR = "_fsdp_compose_state"
+STATE_ATTR = "_fsdp_compose_state"  # where fully_shard attaches a module's unit state
 
 
-def state_of(module: nn.Module) -> UnitState | None:
-    """The unit state fully_shard attached to `module`, if any."""
-    return module.__dict__.get(STATE_ATTR)
+class Member(Protocol):
+    """What a root reads and calls of the units under it (see UnitState in _hooks.py)."""
+
+    modules: list[nn.Module]
+    unit: Unit
+    label: str
+    comm: CommContext
+    post_optim_event: Any
+    initialised: bool
+    backward_end: BackwardEnd
+
+    def end_partial_forward(self, output: Any) -> None: ...
+    def finish_backward(self) -> None: ...
+    def forget_iteration(self) -> None: ...
 
 
-class Root:
+S = TypeVar("S", bound=Member)
+
+
+class Root(Generic[S]):
     """Iteration-wide state of one root and the units under it (in module order)."""
 
-    def __init__(self, state: UnitState, states: list[UnitState]) -> None:
+    def __init__(self, state: S, states: list[S]) -> None:
         self.state = state
         self.states = states
         self.comm: CommContext = state.comm
-        self.forward_root: UnitState | None = None  # the unit whose forward encloses the others'
+        self.forward_root: S | None = None  # the unit whose forward encloses the others'
         self.final_callback_queued = False
         # This iteration's units in the order their forwards began (implicit forward
         # prefetch follows the last iteration's), and the unit whose forward ended last
         # (backward prefetches it from the unit whose forward ended next).
-        self.forward_order: list[UnitState] = []
-        self.last_forward_order: list[UnitState] = []
-        self.last_post_forward: UnitState | None = None
+        self.forward_order: list[S] = []
+        self.last_forward_order: list[S] = []
+        self.last_post_forward: S | None = None
         # Units prefetched in this forward: any that did not run are resharded at its end.
-        self.forward_prefetched: list[UnitState] = []
+        self.forward_prefetched: list[S] = []
 
     @classmethod
-    def of(cls, state: UnitState) -> Root:
+    def of(cls, state: S) -> Root[S]:
         """Make `state`'s unit the root of every unit below it (its first forward): label
         them, check the model on this rank and then across ranks, share one comm context."""
         modules = state.modules
@@ -69,7 +82,7 @@ class Root:
             )
         return cls(state, states)
 
-    def begin_forward(self, state: UnitState) -> None:
+    def begin_forward(self, state: S) -> None:
         """`state`'s forward encloses every other of this iteration: start the iteration."""
         self.forward_root = state
         for s in self.states:  # what changed since the last iteration
@@ -122,11 +135,11 @@ class Root:
         self.forward_prefetched.clear()
 
 
-def _units_under(root: UnitState) -> list[UnitState]:
+def _units_under(root: S) -> list[S]:
     """The units under `root`'s module in module order, labelled by their fqn."""
-    states: list[UnitState] = []
+    states: list[S] = []
     for fqn, module in root.modules[0].named_modules():
-        s = state_of(module)
+        s: S | None = module.__dict__.get(STATE_ATTR)
         if s is None or any(s is seen for seen in states):
             continue
         if s is not root and s.initialised:
@@ -142,6 +155,6 @@ def _units_under(root: UnitState) -> list[UnitState]:
     return states
 
 
-def _local_problem(states: list[UnitState]) -> str | None:
+def _local_problem(states: list[S]) -> str | None:
     """What this rank alone can see is wrong (every rank raises it: check_ranks_agree)."""
     return next((p for s in states if (p := s.unit.meta_problem()) is not None), None)

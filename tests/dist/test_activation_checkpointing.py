@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as checkpoint_call
 
 from fsdp_compose import checkpoint_blocks, fully_shard
-from fsdp_compose._root import state_of
+from fsdp_compose._hooks import state_of
 from tests.dist.parity import Shard, per_block, train_and_compare
 from tests.dist.test_collectives import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter, first_forward
 from tests.models import Block, Transformer, lm_loss, token_batch
