@@ -103,10 +103,12 @@ class GradLedger:
         they included are spent), its unreduced gradients join the unsharded sums (in
         reduce_dtype when that is wider: summing in place, autograd would keep
         param_dtype), its partial sums replace the old."""
+        reduced: list[ShardedParam] | dict[ShardedParam, torch.Tensor] = self._pending_shard
         if self._held is not None:
             held, self._held = self._held, None
             self._commit_held(held)
-        if self._pending_shard:
+            reduced = self._params
+        elif self._pending_shard:
             for p, shard in self._pending_shard.items():
                 p.add_to_grad(shard)
             self._pending_shard = {}
@@ -127,6 +129,8 @@ class GradLedger:
                 self._partial.pop(p, None)
             self._partial.update(self._pending_partial)
             self._spent_partial, self._pending_partial = set(), {}
+        for p in reduced:
+            p.run_grad_hooks()
 
     def discard(self) -> None:
         """The backward did not finish: forget its gradients, keep the earlier ones."""

@@ -295,6 +295,16 @@ class ShardedParam:
         self.unsharded.grad = None
         return grad if self._tp is None else self._tp.local(grad)  # type: ignore[arg-type]
 
+    def run_grad_hooks(self) -> None:
+        """Run the hooks a user registered on the sharded parameter with
+        `register_post_accumulate_grad_hook` (e.g. an optimizer step in backward): autograd
+        never calls them, since only the unsharded parameter is in the graph. Called once
+        its reduced gradient joined the sharded `.grad`, as torch's fully_shard does."""
+        hooks = self.sharded._post_accumulate_grad_hooks
+        if hooks:
+            for hook in tuple(hooks.values()):
+                hook(self.sharded)
+
     def add_to_grad(self, padded_grad_shard: torch.Tensor) -> torch.Tensor:
         """Add this rank's reduced gradient shard (flat, padded) to the sharded `.grad`
         (a view of it when `.grad` was None and no cast is needed); returns its local tensor."""

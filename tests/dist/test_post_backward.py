@@ -16,7 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fsdp_compose import fully_shard
-from tests.dist.parity import per_block, train_and_compare
+from tests.dist.parity import (
+    assert_close_to, backward, max_diff_to, per_block, three_models, train_and_compare,
+)
 from tests.dist.test_prefetch import GatherOrder
 from tests.models import MLP, feature_batch, mse_loss
 
@@ -208,3 +210,39 @@ def check_detached_alias_fails_loudly() -> None:
 def test_a_detached_alias_read_after_the_last_gradient_fails_loudly(ranks):
     """The documented limit of units whose parameters all train: an error, not wrong values."""
     ranks.run(check_detached_alias_fails_loudly, world_size=2)
+
+
+def optimizer_in_backward(model: nn.Module) -> list[int]:
+    """An optimizer per parameter, stepped by a post-accumulate-grad hook that then frees
+    the gradient (the optimizer-in-backward pattern); returns the per-parameter step counts."""
+    counts = [0] * len(list(model.parameters()))
+    for i, p in enumerate(model.parameters()):
+        optim = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1)
+
+        def step(param: torch.Tensor, optim: torch.optim.Optimizer = optim, i: int = i) -> None:
+            assert param.grad is not None
+            optim.step()
+            param.grad = None
+            counts[i] += 1
+
+        p.register_post_accumulate_grad_hook(step)
+    return counts
+
+
+def check_optimizer_in_backward(steps: int) -> tuple[float, float, list[int]]:
+    world = dist.get_world_size()
+    ref, ours, theirs = three_models(MLP)
+    counts = [optimizer_in_backward(m) for m in (ref, ours, theirs)]
+    for step in range(steps):
+        backward((ref, ours, theirs), feature_batch(step, 2 * world), mse_loss)
+        for m in (ours, theirs):
+            assert all(p.grad is None for p in m.parameters()), "each hook ran and freed its gradient"
+    assert counts[1] == counts[2] == counts[0]
+    return assert_close_to(ours, ref), max_diff_to(ours, theirs), counts[1]
+
+
+def test_post_accumulate_grad_hooks_on_sharded_params_run_after_the_reduction(ranks):
+    results = ranks.run(check_optimizer_in_backward, world_size=2, steps=3)
+    for vs_reference, vs_torch, counts in results:
+        assert vs_reference < 1e-6 and vs_torch == 0.0
+        assert counts == [3] * 8  # once per parameter and backward
