@@ -60,6 +60,9 @@ class BackwardEnd:
         self._hooked: list[nn.Parameter | None] = [None] * len(params)
 
     def new_iteration(self) -> None:
+        """The unit's backward finished (or was abandoned): the next forward hooks anew.
+        Not at the next forward: a standalone forward of another unit (a chunked loss's
+        head) may run between this unit's forward and its backward."""
         self.hooked_in_forward = False
 
     def hook_forward(

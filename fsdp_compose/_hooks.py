@@ -197,8 +197,13 @@ class UnitState:
             self._register_pre_backward(output)
         if self._output_dtype is not None:
             output = _cast_floating(output, self._output_dtype)
-        if in_backward or self._modules_to_run:
-            return output  # recomputation, or a list unit waiting for its other modules
+        if in_backward:
+            return output  # a recomputation: see pre_forward
+        if self._modules_to_run and self.root.forward_root is not self:
+            # A list unit waiting for its other modules inside the enclosing forward. (A
+            # module of it called on its own, e.g. a head by a chunked loss, is the
+            # enclosing forward: its forward ends here.)
+            return output
         self._finish_forward()
         if self.root.forward_root is self:
             self.root.end_forward(output)
@@ -286,6 +291,7 @@ class UnitState:
         this time; then IDLE."""
         unfinished = self.phase is PRE_BACKWARD
         self.backward_end.at_end_of_backward(unfinished)
+        self.backward_end.new_iteration()
         if unfinished or (self.phase is not POST_BACKWARD and self.unit.has_unsharded_grads()):
             self._reduce_and_reshard()
         elif self.phase is not POST_BACKWARD and self.reshard_after_backward:
@@ -299,6 +305,7 @@ class UnitState:
         self.phase = IDLE
         self._modules_to_run.clear()
         self.backward_end.forget()
+        self.backward_end.new_iteration()
 
     def reset_iter_state(self) -> None:
         if self.initialised:

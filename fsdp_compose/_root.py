@@ -13,7 +13,6 @@ from torch import nn
 from torch.autograd import Variable
 
 from ._agreement import check_ranks_agree
-from ._backward_done import BackwardEnd
 from ._comm_context import CommContext
 from ._unit import Unit
 
@@ -29,7 +28,6 @@ class Member(Protocol):
     comm: CommContext
     post_optim_event: Any
     initialised: bool
-    backward_end: BackwardEnd
 
     def end_partial_forward(self, output: Any) -> None: ...
     def finish_backward(self) -> None: ...
@@ -87,7 +85,6 @@ class Root(Generic[S]):
         self.forward_root = state
         for s in self.states:  # what changed since the last iteration
             s.unit.adopt_registered()
-            s.backward_end.new_iteration()
         event, self.state.post_optim_event = self.state.post_optim_event, None
         unit = state.unit
         if (side := unit.streams) is not None:
