@@ -22,6 +22,10 @@ SHARDED_MARK = "_fsdp_compose_sharded"
 
 _OPTIMIZER_CHECKED = "_fsdp_compose_checked"
 
+# Marks each parameter fully_shard replaced with the unit that did, to recognise it where
+# another module still holds it (tied across units).
+_UNIT_MARK = "_fsdp_compose_unit"
+
 Collected = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
 
 def check_modules(modules: list[nn.Module]) -> None:
@@ -161,6 +165,14 @@ def collect_params(
                 "already sharded it. Tied parameters must live in one unit: annotate the "
                 "modules that share it together (or only their common parent)."
             )
+        if (other := getattr(param, _UNIT_MARK, None)) is not None:
+            raise ValueError(
+                f"fully_shard({name}): parameter {fqn!r} is already managed by another unit, "
+                f"fully_shard({other}), which sharded it: the two units share (tie) it. Tied "
+                f"parameters must live in one unit: pass both modules (the {other} and the "
+                f"{name}) to one fully_shard call as a list, or leave them to their common "
+                "parent's unit."
+            )
     return list(found.values())
 
 
@@ -219,6 +231,7 @@ def check_params(
 def mark_replaced(name: str, collected: Collected) -> None:
     """After a successful fully_shard: remember which parameters it replaced."""
     for fqn, param, _ in collected:
+        setattr(param, _UNIT_MARK, name)
         setattr(
             param, REPLACED_MARK,
             f"parameter {fqn!r} of {name} as it was before fully_shard, which replaced it by "

@@ -170,3 +170,17 @@ def check_misuse_on_one_rank_does_not_communicate() -> int:
 
 def test_misuse_on_one_rank_does_not_communicate(ranks):
     assert ranks.run(check_misuse_on_one_rank_does_not_communicate, world_size=2) == [0, 0]
+
+
+def check_parameters_tied_across_sibling_units() -> None:
+    """Embedding and head tied, annotated as two units: refused on every rank before any
+    collective, naming both units and the parameter, the model left as it was."""
+    tied = Transformer(tie_weights=True)
+    fully_shard(tied.tok_emb)
+    _raises(ValueError, r"fully_shard\(Linear\): parameter 'weight' is already managed by "
+            r"another unit, fully_shard\(Embedding\), which sharded it", fully_shard, tied.head)
+    assert not isinstance(tied.head.weight, DTensor)
+
+
+def test_parameters_tied_across_sibling_units_are_refused(ranks):
+    ranks.run(check_parameters_tied_across_sibling_units, world_size=2, timeout=60)
