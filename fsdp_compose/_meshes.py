@@ -4,9 +4,10 @@ replicate() and reshard_after_forward=<int>; separate reduce-scatter groups."""
 
 from __future__ import annotations
 
-import functools
 import warnings
-from typing import NamedTuple
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+
+T = TypeVar("T")
 
 
 class UnitMesh(NamedTuple):
@@ -74,24 +77,35 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 # Note [derived meshes]: building a DeviceMesh creates process groups, a step every rank
-# takes together. The derived meshes are cached per source mesh, so they are built once
-# rather than once per annotated module; every rank annotates in the same order, so every
-# rank hits or misses the cache alike.
+# takes together. The derived meshes and groups are cached per source mesh (or group), so
+# they are built once rather than once per annotated module; every rank annotates in the
+# same order, so every rank hits or misses the cache alike. The cache belongs to the world
+# (the default process group) it was built in: a world torn down and built again (test
+# suites, threaded worlds) resolves no group of the last one, so it builds its own.
+_derived: weakref.WeakKeyDictionary[ProcessGroup, dict[Hashable, Any]] = weakref.WeakKeyDictionary()
 
 
-@functools.cache
+def _in_this_world(key: Hashable, make: Callable[[], T]) -> T:
+    cache = _derived.setdefault(dist.group.WORLD, {})  # type: ignore[arg-type]  # set once initialised
+    if key not in cache:
+        cache[key] = make()
+    value: T = cache[key]
+    return value
+
+
 def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The (replicas, 1) mesh over a 1-D `mesh`'s ranks: HSDP whose shard group is one rank."""
-    return DeviceMesh(
+    return _in_this_world(("replica", mesh), lambda: DeviceMesh(
         mesh.device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard")
-    )
+    ))
 
 
-@functools.cache
 def post_forward_mesh(mesh: DeviceMesh, group_size: int) -> DeviceMesh:
     """`mesh`'s ranks in rows of `group_size` consecutive shard ranks: dim 1 is the group a
     unit reshards to after forward, and gathers in again before backward."""
-    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, group_size))
+    return _in_this_world(("post_forward", mesh, group_size), lambda: DeviceMesh(
+        mesh.device_type, mesh.mesh.reshape(-1, group_size)
+    ))
 
 
 def resolve_reshard_after_forward(
@@ -112,13 +126,13 @@ def resolve_reshard_after_forward(
     return True, post_forward_mesh(mesh, value)
 
 
-_separate_groups: dict[tuple[int, ...], ProcessGroup] = {}
-
-
 def separate_group(group: ProcessGroup) -> ProcessGroup:
     """A second process group over `group`'s ranks (one per rank set), created once; a
     collective among those ranks the first time."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _separate_groups:
-        _separate_groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return _separate_groups[ranks]
+    ranks = dist.get_process_group_ranks(group)
+
+    def make() -> ProcessGroup:
+        made: ProcessGroup = dist.new_group(ranks, use_local_synchronization=True)
+        return made
+
+    return _in_this_world(("separate", tuple(ranks)), make)
