@@ -4,7 +4,7 @@ from ._activation_checkpointing import checkpoint_blocks
 from ._checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from ._clip import clip_grad_norm_
 from ._codec import AllGatherCodec, Int8RowCodec
-from ._fsdp_module import FSDPModule, UnshardHandle
+from ._fsdp_module import FSDPModule, GradientReductionHandle, UnshardHandle
 from ._fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from ._init import materialize
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -15,6 +15,7 @@ __all__ = [
     "AllGatherCodec",
     "CPUOffloadPolicy",
     "FSDPModule",
+    "GradientReductionHandle",
     "Int8RowCodec",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

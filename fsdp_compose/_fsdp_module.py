@@ -93,6 +93,38 @@ class FSDPModule:
         gradient reductions only after the last backward. Here every backward finishes its
         reductions before it returns, so each one is complete and there is nothing to set."""
 
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """torch 2.15's switch for finalizing backward by hand (`finalize_backward`). Here
+        every backward still finishes its own reductions with the settings of its time, so
+        either way the gradients are the same; `finalize_backward` reduces what those
+        settings left unsharded. Call on the root, not during backward."""
+        state = self._state()
+        if state.initialised and not state.is_root:
+            raise RuntimeError(
+                f"{type(self).__name__}.set_manual_backward_finalization: unit {state.label} "
+                "is not a root; call it on the root module."
+            )
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[False] = ...) -> None: ...
+    @overload
+    def finalize_backward(self, *, async_op: Literal[True]) -> GradientReductionHandle: ...
+    @overload
+    def finalize_backward(self, *, async_op: bool) -> GradientReductionHandle | None: ...
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """After the backward passes of one step: reduce the gradients held unsharded (by
+        backwards without gradient sync) with the current settings, reshard, and commit
+        them to the sharded `.grad`s. A no-op before the first forward. Not between a
+        forward and its backward. Synchronous; with `async_op` the handle's wait() returns
+        at once (torch 2.15's signature)."""
+        state = self._state()
+        if state.initialised:
+            state.root.finalize_backward()
+        return GradientReductionHandle() if async_op else None
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With False, backward keeps unsharded gradients on each rank and accumulates
         them; the next backward with True reduces the sum. For gradient accumulation."""
@@ -282,6 +314,13 @@ class FSDPModule:
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         self._not_yet("symmetric-memory communication buffers (CUDA)")
+
+
+class GradientReductionHandle:
+    """Returned by `FSDPModule.finalize_backward(async_op=True)`: the reduction is done."""
+
+    def wait(self) -> None:
+        """Nothing to wait for: finalize_backward finishes before it returns."""
 
 
 class UnshardHandle:

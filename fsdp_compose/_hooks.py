@@ -110,6 +110,11 @@ class UnitState:
         return ref is not None and ref() is param
 
     @property
+    def awaits_backward(self) -> bool:
+        """Whether a forward with grad ran and its backward has not finished."""
+        return self.phase is not IDLE or self.backward_end.hooked_in_forward
+
+    @property
     def is_root(self) -> bool:
         return self.initialised and self.root.state is self
 

@@ -32,6 +32,8 @@ class Member(Protocol):
     def end_partial_forward(self, output: Any) -> None: ...
     def finish_backward(self) -> None: ...
     def forget_iteration(self) -> None: ...
+    @property
+    def awaits_backward(self) -> bool: ...
 
 
 S = TypeVar("S", bound=Member)
@@ -121,6 +123,16 @@ class Root(Generic[S]):
         for s in self.states:  # see Note [gradients per backward] in _grad_ledger.py
             s.unit.commit_backward()
         self.final_callback_queued = False
+
+    def finalize_backward(self) -> None:
+        """FSDPModule.finalize_backward: between iterations, reduce what backwards without
+        gradient sync left unsharded, as the end of a backward would now."""
+        if bad := [s.label for s in self.states if s.awaits_backward]:
+            raise RuntimeError(
+                f"finalize_backward: units {bad} are between a forward and its backward; "
+                "call it after the step's backward passes."
+            )
+        self.finish_backward()
 
     def reset(self) -> None:
         """Forget the current iteration: every unit IDLE and resharded, the gradients of an

@@ -243,6 +243,38 @@ def test_gradient_accumulation_with_sync(ranks):
     ranks.run(check_gradient_accumulation, world_size=2, sync_each_micro_batch=True)
 
 
+def check_manual_backward_finalization() -> None:
+    """torch 2.15's flow: every micro-batch's backward without gradient sync, sync enabled
+    again, then one finalize_backward reduces the sum; the same gradients as torch's
+    fully_shard syncing on the last backward, and as single-process."""
+    world = dist.get_world_size()
+    models = ref, ours, theirs = three_models(MLP)
+    ours.finalize_backward()  # before the first forward: nothing to do
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for step in range(2):
+        ours.set_manual_backward_finalization(True)
+        ours.set_requires_gradient_sync(False)
+        for micro in range(3):
+            theirs.set_requires_gradient_sync(micro == 2)
+            backward(models, feature_batch(10 * step + micro, 2 * world), mse_loss)
+        assert all(p.grad is None for p in ours.parameters()), "reduced before finalizing"
+        ours.set_requires_gradient_sync(True)
+        ours.finalize_backward(async_op=True).wait()
+        assert max_diff_to(ours, theirs, grads=True) == 0.0, step
+        assert_close_to(ours, ref, grads=True, where=step)
+        optimizer_step(optims)
+    with pytest.raises(RuntimeError, match=r"is not a root; call it on the root module"):
+        ours.layers[0].set_manual_backward_finalization(True)
+    mse_loss(ours, feature_batch(0, 2))
+    with pytest.raises(RuntimeError, match=r"finalize_backward: units .* are between a forward "
+                       r"and its backward"):
+        ours.finalize_backward()
+
+
+def test_manual_backward_finalization(ranks):
+    ranks.run(check_manual_backward_finalization, world_size=2)
+
+
 def check_backwards_add_into_changed_grads() -> None:
     """Without zero_grad(set_to_none=True) between them, backwards add into the .grads as
     they are: zeroed in place, one replaced by a copy, one dropped."""
