@@ -21,8 +21,10 @@ RESULTS: dict[int, float] = {}
 @spawn_threads_and_init_comms(world_size=4)
 def train_one_step(_self: object) -> None:
     """Every rank gets the same batch, so its averaged gradient is the reference's."""
-    torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(8, 7), nn.ReLU(), nn.Linear(7, 5))
+    with torch.no_grad():  # the same values on every thread: the global generator is shared
+        for i, p in enumerate(ref.parameters()):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
     model = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", (4,))
     for layer in (model[0], model[2]):
