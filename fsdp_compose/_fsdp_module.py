@@ -75,6 +75,13 @@ class FSDPModule:
         """Free this unit's unsharded parameters and register the sharded ones."""
         self._state().unit.reshard()
 
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Keep the unsharded parameters' storage allocated when resharding (its data
+        pointers then stay the same across reshard and unshard, as CUDA graph capture
+        needs), at the cost of the memory resharding frees. torch 2.15's method."""
+        for state in self._states(recurse):
+            state.unit.gatherer.keep_unsharded_storage = keep
+
     def reset_iter_state(self) -> None:
         """Forget the current iteration (e.g. after an exception): every unit under the root
         is resharded and IDLE. Safe to call at any time, on the root (before the first

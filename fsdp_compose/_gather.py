@@ -67,6 +67,7 @@ class Gatherer:
         self._unit = unit
         self.params = unit.params
         self.is_unsharded = False
+        self.keep_unsharded_storage = False  # set_keep_unsharded_storage (e.g. CUDA graphs)
         self.laid_out = False  # see lay_out
         self._flat: torch.Tensor | None = None
         self._flat_needs_cast = False  # to param_dtype, or to the device (CPU offload)
@@ -74,6 +75,7 @@ class Gatherer:
         # see ReusedBuffer.take.
         self._spec: tuple[tuple[int, int], torch.dtype, torch.device] | None = None
         self._unsharded_storages: list[tuple[torch.UntypedStorage, int]] = []
+        self._storage_allocated = False  # whether _unsharded_storages hold their bytes
         self._targets: list[torch.Tensor] = []
         self._registrations: list[_OwnerForms] = []  # see lay_out
         self._buffer = ReusedBuffer()  # unless a custom all-gather allocates
@@ -182,6 +184,7 @@ class Gatherer:
         self._unsharded_storages = [(b.untyped_storage(), b.nbytes) for b in buffers]
         for storage, _ in self._unsharded_storages:
             storage.resize_(0)
+        self._storage_allocated = False
         self._targets = [p.gather_target(from_post_forward=False) for p in params]
         # The unit registers all its parameters with one dict update per owning module (a
         # method call per parameter costs more than the work), while this layout holds.
@@ -209,8 +212,10 @@ class Gatherer:
                 gather.work.wait()
             except RuntimeError as error:
                 raise collective_failed(unit.label, "all-gather", gather.rows, error) from error
-        for storage, nbytes in self._unsharded_storages:
-            storage.resize_(nbytes)
+        if not self._storage_allocated:  # resize_ reallocates even to the same size
+            for storage, nbytes in self._unsharded_storages:
+                storage.resize_(nbytes)
+            self._storage_allocated = True
         if gather.encoded:
             decode_rows(gather.gathered, gather.sizes, self.params, unit.codecs, self._targets)
         else:
@@ -253,8 +258,10 @@ class Gatherer:
         else:
             for p in self.params:
                 p.to_sharded()
-        for storage, _ in self._unsharded_storages:
-            storage.resize_(0)
+        if not self.keep_unsharded_storage:
+            for storage, _ in self._unsharded_storages:
+                storage.resize_(0)
+            self._storage_allocated = False
         self._post_forward_kept = keep
         self.is_unsharded = False
 

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 from torch.distributed.tensor import DTensor
 
 from ._meshes import UnitMesh
@@ -19,6 +20,11 @@ from ._tensor_parallel import TensorParallel
 # parameters it replaced, tensors assigned over sharded parameters), with why: an optimizer
 # holding one is refused at its first step (_checks.py).
 REPLACED_MARK = "_fsdp_compose_replaced"
+
+
+# Without a reduce_dtype, torch's fully_shard reduces gradients in param_dtype up to torch
+# 2.14 and in the parameter's own dtype from 2.15 on; we follow the torch we run on.
+_REDUCE_IN_OWN_DTYPE = TorchVersion(torch.__version__) >= "2.15"
 
 
 class Registration(NamedTuple):
@@ -108,7 +114,9 @@ class ShardedParam:
         self.sharded = sharded
         self._local = _local_of(sharded)  # a detached alias of the view: Parameter() detaches
         self.param_dtype = self._mp_policy.param_dtype or local.dtype
-        self.reduce_dtype = self._mp_policy.reduce_dtype or self.param_dtype
+        self.reduce_dtype = self._mp_policy.reduce_dtype or (
+            local.dtype if _REDUCE_IN_OWN_DTYPE else self.param_dtype
+        )
         self._allocate_unsharded_buffer(local.device if on_meta else self._device)
 
     def move_shard_into(self, flat_piece: torch.Tensor) -> None:

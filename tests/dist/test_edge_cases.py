@@ -412,6 +412,29 @@ def test_reshard_after_backward_false_keeps_unsharded(ranks):
     ranks.run(check_reshard_after_backward_false, world_size=2)
 
 
+def check_keep_unsharded_storage() -> None:
+    """set_keep_unsharded_storage(True): the unsharded parameters keep their data pointers
+    across reshard and unshard; training is unchanged."""
+    world = dist.get_world_size()
+    models = ref, ours, theirs = three_models(MLP)
+    ours.set_keep_unsharded_storage(True)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    pointers = set()
+    for step in range(3):
+        backward(models, feature_batch(step, 2 * world), mse_loss)
+        optimizer_step(optims)
+        ours.layers[1].unshard()
+        pointers.add(ours.layers[1].weight.data_ptr())
+        ours.layers[1].reshard()
+    assert len(pointers) == 1, pointers
+    assert max_diff_to(ours, theirs) == 0.0
+    assert_close_to(ours, ref)
+
+
+def test_keep_unsharded_storage(ranks):
+    ranks.run(check_keep_unsharded_storage, world_size=2)
+
+
 class InPlaceOnInput(nn.Module):
     """Layers that scale their input in place before using it."""
 
