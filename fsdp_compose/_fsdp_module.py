@@ -185,28 +185,15 @@ class FSDPModule:
         reducer = self._state().unit.reducer
         reducer.set_reduction(reducer.gradient_divide_factor, enable)
 
-    def _not_yet(self, what: str) -> NoReturn:
-        raise NotImplementedError(
-            f"{type(self).__name__}: {what} is not supported by fsdp_compose yet."
-        )
-
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Start gathering `modules`' units as soon as this unit is gathered in forward, so
         their all-gathers overlap this unit's compute (e.g. the next block or two)."""
-        self._state().forward_prefetch = self._prefetch_states(modules, "forward")
+        self._state().forward_prefetch = _prefetch_states(self, modules, "forward")
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Start gathering `modules`' units as soon as this unit is gathered in backward
         (e.g. the previous block, whose backward runs next)."""
-        self._state().backward_prefetch = self._prefetch_states(modules, "backward")
-
-    def _prefetch_states(self, modules: list[FSDPModule], where: str) -> list[UnitState]:
-        if bad := [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]:
-            raise ValueError(
-                f"{type(self).__name__}.set_modules_to_{where}_prefetch: {bad} are not "
-                "annotated; pass modules that fully_shard annotated."
-            )
-        return [m._state() for m in modules]
+        self._state().backward_prefetch = _prefetch_states(self, modules, "backward")
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of `set_gradient_divide_factor`, as in torch."""
@@ -317,10 +304,23 @@ class FSDPModule:
             unit.reducer.group = separate_group(unit.group) if enable else unit.group
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        self._not_yet("allocating communication buffers from the process group (CUDA)")
+        _not_yet(self, "allocating communication buffers from the process group (CUDA)")
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        self._not_yet("symmetric-memory communication buffers (CUDA)")
+        _not_yet(self, "symmetric-memory communication buffers (CUDA)")
+
+
+def _prefetch_states(owner: FSDPModule, modules: list[FSDPModule], where: str) -> list[UnitState]:
+    if bad := [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]:
+        raise ValueError(
+            f"{type(owner).__name__}.set_modules_to_{where}_prefetch: {bad} are not "
+            "annotated; pass modules that fully_shard annotated."
+        )
+    return [m._state() for m in modules]
+
+
+def _not_yet(owner: FSDPModule, what: str) -> NoReturn:
+    raise NotImplementedError(f"{type(owner).__name__}: {what} is not supported by fsdp_compose yet.")
 
 
 class GradientReductionHandle:
