@@ -59,12 +59,6 @@ class BackwardEnd:
         # layout makes new ones).
         self._hooked: list[nn.Parameter | None] = [None] * len(params)
 
-    def new_iteration(self) -> None:
-        """The unit's backward finished (or was abandoned): the next forward hooks anew.
-        Not at the next forward: a standalone forward of another unit (a chunked loss's
-        head) may run between this unit's forward and its backward."""
-        self.hooked_in_forward = False
-
     def hook_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -121,11 +115,14 @@ class BackwardEnd:
         it). A parameter then got no gradient, if signal 1 was awaited: use 2 from now on."""
         if unfinished and self._on_last_grad and self._params:
             self._every_param_got_grads = False
-        self._inputs_pending = 0
+        self.forget()
 
     def forget(self) -> None:
-        """The iteration is abandoned (reset_iter_state)."""
+        """The unit's backward finished or was abandoned (reset_iter_state): the next
+        forward hooks anew. Not at the next forward: a standalone forward of another unit
+        (a chunked loss's head) may run between this unit's forward and its backward."""
         self._inputs_pending = 0
+        self.hooked_in_forward = False
 
 
 def hook_inputs(

@@ -296,7 +296,6 @@ class UnitState:
         this time; then IDLE."""
         unfinished = self.phase is PRE_BACKWARD
         self.backward_end.at_end_of_backward(unfinished)
-        self.backward_end.new_iteration()
         if unfinished or (self.phase is not POST_BACKWARD and self.unit.has_unsharded_grads()):
             self._reduce_and_reshard()
         elif self.phase is not POST_BACKWARD and self.reshard_after_backward:
@@ -310,7 +309,6 @@ class UnitState:
         self.phase = IDLE
         self._modules_to_run.clear()
         self.backward_end.forget()
-        self.backward_end.new_iteration()
 
     def reset_iter_state(self) -> None:
         if self.initialised:
