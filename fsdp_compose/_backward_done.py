@@ -55,6 +55,9 @@ class BackwardEnd:
         self._grads_pending = 0
         self._inputs_pending = 0
         self._every_param_got_grads = True  # False forever once one did not (signal 2)
+        # False for a unit whose parameters other units use (tied, see _tied.py): their
+        # uses may come after its inputs' gradients, so signal 4 ends it instead of 2.
+        self.may_end_on_inputs = True
         # The unsharded parameters that carry the accumulation hook, by position (a new
         # layout makes new ones).
         self._hooked: list[nn.Parameter | None] = [None] * len(params)
@@ -72,7 +75,7 @@ class BackwardEnd:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """As hook_forward, for a call recomputed by reentrant checkpointing (signal 3)."""
         self._on_last_grad = self._can_end_on_last_grad()
-        if not self._on_last_grad:
+        if not self._on_last_grad and self.may_end_on_inputs:
             args, kwargs, hooked = hook_inputs(args, kwargs, self.inputs_done)
             self._inputs_pending += hooked  # none: the end of backward finishes the unit
         return args, kwargs

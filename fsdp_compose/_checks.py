@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._hooks import UnitState, state_of
+from ._hooks import state_of
 from ._param import REPLACED_MARK
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 
@@ -21,10 +21,6 @@ from ._policies import MixedPrecisionPolicy, OffloadPolicy
 SHARDED_MARK = "_fsdp_compose_sharded"
 
 _OPTIMIZER_CHECKED = "_fsdp_compose_checked"
-
-# Marks each parameter fully_shard replaced with the unit that did, to recognise it where
-# another module still holds it (tied across units).
-_UNIT_MARK = "_fsdp_compose_unit"
 
 Collected = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
 
@@ -133,10 +129,10 @@ def _device_available(device_type: str) -> bool:
 def collect_params(
     modules: list[nn.Module], name: str, ignored: set[nn.Parameter]
 ) -> Collected:
-    """(fqn, parameter, every (module, attribute) holding it) for each parameter the unit
-    owns: those under `modules` not owned by an inner unit and not ignored."""
+    """(fqn, parameter, every (module, attribute) holding it) for each parameter under
+    `modules` not inside an inner unit and not ignored (some may be tied to another unit's:
+    see _tied.py)."""
     found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
-    inner: list[UnitState] = []
 
     def visit(module: nn.Module, prefix: str) -> None:
         for attr, param in module._parameters.items():
@@ -150,29 +146,11 @@ def collect_params(
         for child_name, child in module._modules.items():
             if child is None:
                 continue
-            state = state_of(child)
-            if state is not None:
-                inner.append(state)
-            else:
+            if state_of(child) is None:  # an inner unit's parameters are its own
                 visit(child, f"{prefix}{child_name}.")
 
     for m in modules:
         visit(m, "")
-    for fqn, param, _ in found.values():
-        if any(state.owned_before_sharding(param) for state in inner):
-            raise NotImplementedError(
-                f"fully_shard({name}): parameter {fqn!r} is shared with an inner unit that "
-                "already sharded it. Tied parameters must live in one unit: annotate the "
-                "modules that share it together (or only their common parent)."
-            )
-        if (other := getattr(param, _UNIT_MARK, None)) is not None:
-            raise ValueError(
-                f"fully_shard({name}): parameter {fqn!r} is already managed by another unit, "
-                f"fully_shard({other}), which sharded it: the two units share (tie) it. Tied "
-                f"parameters must live in one unit: pass both modules (the {other} and the "
-                f"{name}) to one fully_shard call as a list, or leave them to their common "
-                "parent's unit."
-            )
     return list(found.values())
 
 
@@ -231,7 +209,6 @@ def check_params(
 def mark_replaced(name: str, collected: Collected) -> None:
     """After a successful fully_shard: remember which parameters it replaced."""
     for fqn, param, _ in collected:
-        setattr(param, _UNIT_MARK, name)
         setattr(
             param, REPLACED_MARK,
             f"parameter {fqn!r} of {name} as it was before fully_shard, which replaced it by "

@@ -22,6 +22,7 @@ from ._param import ShardedParam
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._root import STATE_ATTR
 from ._state_dict import install_state_dict_hooks
+from ._tied import OWNER_ATTR, Borrowed, check_borrowable, lend, owner_of
 from ._unit import Unit
 
 ShardPlacementFn = Callable[[nn.Parameter], Any]
@@ -111,21 +112,38 @@ def fully_shard(
     check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", mesh.size(-1))
     resolved = unit_mesh(mesh, reshard_after_forward)
     device = resolved.device
-    collected = collect_params(modules, name, set(ignored_params or ()))
+    collected, borrowed = _split_tied(collect_params(modules, name, set(ignored_params or ())))
     check_params(name, collected, device, mp_policy, mesh)
+    for tied in borrowed:
+        check_borrowable(name, tied, resolved, mp_policy)
 
     if sync_module_states:
         tensors = [p for _, p, _ in collected] + unit_buffers(modules)
         sync_from_first_rank(tensors, mesh, device)
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
-    _annotate(modules, name, collected, resolved, mp_policy, offload)
+    state = _annotate(modules, name, collected, resolved, mp_policy, offload)
+    for tied in borrowed:
+        lend(tied)
+        state.borrow(tied.owner, tied.param)
     return module  # type: ignore[return-value]  # annotated in place: now FSDPModules
+
+
+def _split_tied(collected: Collected) -> tuple[Collected, list[Borrowed]]:
+    """The parameters this unit will own, and those another unit owns already (tied)."""
+    own: Collected = []
+    borrowed: list[Borrowed] = []
+    for fqn, param, holders in collected:
+        if (owner := owner_of(param)) is None:
+            own.append((fqn, param, holders))
+        else:
+            borrowed.append(Borrowed(fqn, *owner, holders))
+    return own, borrowed
 
 
 def _annotate(
     modules: list[nn.Module], name: str, collected: Collected, resolved: UnitMesh,
     mp_policy: MixedPrecisionPolicy, offload: CPUOffloadPolicy | None,
-) -> None:
+) -> UnitState:
     """Shard the checked parameters, build the unit and install its hooks."""
     params = [
         ShardedParam(fqn, p, owners, resolved, mp_policy, offload)
@@ -134,22 +152,21 @@ def _annotate(
     move_buffers(modules, resolved.device)
     unit = Unit(params, resolved, name)
     unit.set_post_forward_mesh(resolved.post_forward_mesh)
-    state = UnitState(
-        modules, unit, resolved.reshard_after_forward, mp_policy, name,
-        [p for _, p, _ in collected],
-    )
-    for param in params:
+    state = UnitState(modules, unit, resolved.reshard_after_forward, mp_policy, name)
+    for (_, original, _), param in zip(collected, params):
         setattr(param.sharded, SHARDED_MARK, True)
+        setattr(original, OWNER_ATTR, (state, param))
         param.to_sharded()
     for m in modules:
         for managed in m.modules():  # the markers torch's fully_shard sets, which
             managed.__dict__.update(_MANAGED_MARKERS)  # transformers and dynamo read
         m.__dict__[STATE_ATTR] = state
-        original: type = type(m)
-        m.__class__ = _annotated_class(original)
+        cls: type = type(m)
+        m.__class__ = _annotated_class(cls)
     state.install_hooks()
     install_state_dict_hooks(state)
     mark_replaced(name, collected)
+    return state
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:

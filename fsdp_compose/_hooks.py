@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import sys
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ from ._backward_done import BackwardEnd
 from ._comm_context import CommContext
 from ._policies import MixedPrecisionPolicy
 from ._root import STATE_ATTR, Root
+from ._param import ShardedParam
 from ._unit import Unit
 
 
@@ -63,7 +63,7 @@ class UnitState:
 
     def __init__(
         self, modules: list[nn.Module], unit: Unit, reshard_after_forward: bool | None,
-        mp_policy: MixedPrecisionPolicy, label: str, original_params: list[nn.Parameter],
+        mp_policy: MixedPrecisionPolicy, label: str,
     ) -> None:
         self.modules = modules
         self.unit = unit
@@ -76,9 +76,11 @@ class UnitState:
         self.label = label
         self.phase = IDLE
         self.initialised = False
-        # id -> weak reference of each parameter as it was before sharding, to recognise a
-        # parameter tied to one outside the unit when an enclosing module is annotated.
-        self._original_params = {id(p): weakref.ref(p) for p in original_params}
+        # Parameters tied across units (see _tied.py): the units whose parameters this one
+        # uses and must see gathered, with those parameters; whether others use ours.
+        self.borrowed_from: list[UnitState] = []
+        self.borrowed_params: list[ShardedParam] = []
+        self.lends = False
         self.comm = CommContext()  # the root's, after lazy init
         self.post_optim_event: Any = None  # read by the root: its next forward's gathers wait
         # Units to start gathering once this one is unsharded, in forward and in backward
@@ -105,9 +107,15 @@ class UnitState:
             # Also called when forward raised, to undo what pre_forward did.
             module.register_forward_hook(self.post_forward, always_call=True)
 
-    def owned_before_sharding(self, param: nn.Parameter) -> bool:
-        ref = self._original_params.get(id(param))
-        return ref is not None and ref() is param
+    def borrow(self, owner: UnitState, param: ShardedParam) -> None:
+        """This unit's modules use `param`, which `owner` gathers and reduces."""
+        self.borrowed_params.append(param)
+        if not any(owner is o for o in self.borrowed_from):
+            self.borrowed_from.append(owner)
+
+    def _unshard_lenders(self) -> None:
+        for owner in self.borrowed_from:
+            owner.unit.unshard()
 
     @property
     def awaits_backward(self) -> bool:
@@ -163,6 +171,8 @@ class UnitState:
         assert FORWARD in self.phase.next, self._bad_transition(FORWARD)  # type: ignore[attr-defined]
         self.phase = FORWARD
         self.unit.unshard()  # also finishes a prefetch's gather
+        if self.borrowed_from:
+            self._unshard_lenders()
         if self.forward_prefetch or self.implicit_forward_prefetch:
             for other in self._forward_prefetch_targets():
                 self.comm.prefetch(other.unit)  # overlaps this unit's compute; waited for there
@@ -182,6 +192,8 @@ class UnitState:
             self._pre_backward(None)
             args, kwargs = self.backward_end.hook_recomputation(args, kwargs)
         self.unit.unshard()
+        if self.borrowed_from:
+            self._unshard_lenders()
         return args, kwargs
 
     def _forward_prefetch_targets(self) -> list[UnitState]:
@@ -242,6 +254,8 @@ class UnitState:
         before = root.last_post_forward
         self._ended_forward_before = () if before is None else (before,)
         root.last_post_forward = self
+        if self.lends:
+            return  # a borrower may still run in this forward: see _tied.py and Root.end_forward
         if not torch.is_grad_enabled():
             self.unit.reshard()  # no backward can follow a forward without grad
         elif self.reshard_after_forward:
@@ -268,6 +282,8 @@ class UnitState:
                 self.root.queue_final_callback()
         if self.unshard_in_backward:
             self.unit.unshard()  # also finishes a prefetch's gather
+        if self.borrowed_from:
+            self._unshard_lenders()
         targets = self.backward_prefetch
         for other in self._ended_forward_before if targets is None else targets:
             # Not one whose backward is done already (gathered again for nothing).

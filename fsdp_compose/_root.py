@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, Protocol, TypeVar
 
+import torch
 from torch import nn
 from torch.autograd import Variable
 
@@ -28,6 +29,7 @@ class Member(Protocol):
     comm: CommContext
     post_optim_event: Any
     initialised: bool
+    lends: bool
 
     def end_partial_forward(self, output: Any) -> None: ...
     def finish_backward(self) -> None: ...
@@ -109,6 +111,8 @@ class Root(Generic[S]):
             # A list unit whose modules did not all run (e.g. a head skipped by a chunked
             # loss) still ends its forward with the forward that enclosed it.
             s.end_partial_forward(output)
+            if s.lends and not torch.is_grad_enabled():  # no backward follows: free them now
+                s.unit.reshard()
 
     def queue_final_callback(self) -> None:
         self.final_callback_queued = True

@@ -30,9 +30,9 @@ def _keys(
     state: UnitState, module: nn.Module, prefix: str
 ) -> Iterator[tuple[str, ShardedParam, nn.Module, str]]:
     """(state-dict key, parameter, owner, attribute) for each of the unit's parameters
-    registered under `module`."""
+    (and those it borrows: see _tied.py) registered under `module`."""
     names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
-    for param in state.unit.params:
+    for param in (*state.unit.params, *state.borrowed_params):
         for owner, attr in param.owners:
             if (name := names.get(id(owner))) is not None:
                 yield f"{prefix}{name}.{attr}" if name else f"{prefix}{attr}", param, owner, attr
@@ -43,7 +43,7 @@ def _report_sharded(
 ) -> None:
     """While the unit is unsharded, state_dict() would hold the unsharded parameters:
     put the shards in their place."""
-    if not state.unit.is_unsharded:
+    if not state.unit.is_unsharded and not state.borrowed_params:
         return
     for key, param, owner, attr in _keys(state, module, prefix):
         if owner._parameters[attr] is param.unsharded and key in state_dict:
