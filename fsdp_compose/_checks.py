@@ -113,11 +113,6 @@ def check_mesh(name: str, mesh: object) -> None:
             f"fully_shard({name}): the mesh has {mesh.ndim} dimensions; pass a 1-D mesh "
             "(full sharding) or a 2-D (replicate, shard) mesh (HSDP), e.g. mesh['dp']."
         )
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise ValueError(
-            f"fully_shard({name}): a 2-D mesh needs names for its (replicate, shard) "
-            "dimensions: init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))."
-        )
 
 
 def _device_available(device_type: str) -> bool:

@@ -44,8 +44,6 @@ def check_misuse_errors() -> None:
     _raises(TypeError, "mesh must be a DeviceMesh, got str", fully_shard, MLP(), mesh="cpu")
     _raises(ValueError, "the mesh has 3 dimensions; pass a 1-D mesh", fully_shard, MLP(),
             mesh=init_device_mesh("cpu", (1, 1, dist.get_world_size())))
-    _raises(ValueError, "a 2-D mesh needs names", fully_shard, MLP(),
-            mesh=init_device_mesh("cpu", (1, dist.get_world_size())))
     _raises(TypeError, "reshard_after_forward must be a bool, None or an int group size, "
             "got str 'yes'", fully_shard, MLP(), reshard_after_forward="yes")
     _raises(ValueError, r"fully_shard\(MLP\): reshard_after_forward=3 must divide the mesh's "

@@ -14,7 +14,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_compose import fully_shard, replicate
 from tests.dist.parity import Shard as ShardFn
-from tests.dist.parity import assert_close_to, backward, make_mesh, three_models, train_and_compare
+from tests.dist.parity import (
+    assert_close_to, backward, make_mesh, per_block, three_models, train_and_compare,
+)
 from tests.dist.test_collectives import CollectiveCounter, first_forward
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 
@@ -31,6 +33,25 @@ def check_hsdp() -> list[tuple[float, float]]:
     ]
     errors.append(tuple(train_and_compare(Transformer, lm_loss, token_batch, mesh_shape=(2, 2))))
     return errors
+
+
+def check_hsdp_on_an_unnamed_mesh() -> tuple[float, list[str]]:
+    """A 2-D mesh without names (torch's fully_shard refuses it): dim 0 replicates, dim 1
+    shards. Trains like single-process; ours in both seats of the comparison."""
+    unnamed = init_device_mesh("cpu", (2, 2))
+    errors = train_and_compare(
+        MLP, mse_loss, feature_batch, shard_fns=(fully_shard, fully_shard),
+        wrap=lambda m, shard: per_block(m, shard, mesh=unnamed),
+    )
+    model = MLP()
+    per_block(model, fully_shard, mesh=unnamed)
+    return errors.vs_reference, sorted({str(p.placements) for p in model.parameters()})
+
+
+def test_hsdp_on_an_unnamed_mesh(ranks):
+    for vs_reference, placements in ranks.run(check_hsdp_on_an_unnamed_mesh, world_size=4):
+        assert vs_reference < 1e-6
+        assert placements == ["(Replicate(), Shard(dim=0))"]
 
 
 def test_hsdp_trains_like_single_process_and_torch(ranks):
