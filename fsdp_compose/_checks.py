@@ -167,10 +167,8 @@ def check_params(
     name: str,
     collected: Collected,
     device: torch.device,
-    mp_policy: MixedPrecisionPolicy,
     mesh: DeviceMesh,
 ) -> None:
-    dtypes: dict[torch.dtype, str] = {}
     for fqn, param, _ in collected:
         if isinstance(param, DTensor):
             if getattr(param, SHARDED_MARK, False):
@@ -191,14 +189,6 @@ def check_params(
                 f"on {device.type}. Build the mesh on the parameters' device type, or move "
                 "the module there first."
             )
-        dtypes.setdefault(param.dtype, fqn)
-    if len(dtypes) > 1 and mp_policy.param_dtype is None:
-        listing = ", ".join(f"{fqn!r} is {dtype}" for dtype, fqn in dtypes.items())
-        raise NotImplementedError(
-            f"fully_shard({name}): one unit's parameters must share a dtype ({listing}). "
-            "Annotate the differently typed submodules as units of their own, or gather them "
-            "all in one dtype with MixedPrecisionPolicy(param_dtype=...)."
-        )
 
 
 def mark_replaced(name: str, collected: Collected) -> None:

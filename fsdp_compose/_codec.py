@@ -47,18 +47,18 @@ class Int8RowCodec:
 
 
 def encode_shards(
-    params: list[ShardedParam], codecs: dict[ShardedParam, AllGatherCodec],
-    device: torch.device, param_dtype: torch.dtype,
+    params: list[ShardedParam], codecs: dict[ShardedParam, AllGatherCodec], device: torch.device,
 ) -> tuple[torch.Tensor, list[int]]:
-    """The bytes a rank sends when some of a unit's parameters have codecs, and each
-    parameter's share of them: its encoding (or its shard in `param_dtype`), padded to 8
-    bytes so that every piece of the gathered rows can be viewed in any dtype again."""
+    """The bytes a rank sends when some of a unit's parameters have codecs or the unit's
+    parameters gather in different dtypes, and each parameter's share of them: its encoding
+    (or its shard in its param_dtype), padded to 8 bytes so that every piece of the
+    gathered rows can be viewed in any dtype again."""
     pieces = []
     for p in params:
         shard = p.padded_shard.to(device, non_blocking=True)
         codec = codecs.get(p)
         if codec is None:
-            data = shard.to(param_dtype)
+            data = shard.to(p.param_dtype)
         else:
             data = codec.encode(shard, p.layout.padded_rows, p.layout.row_numel)
         data = data.reshape(-1).view(torch.uint8)

@@ -113,7 +113,7 @@ def fully_shard(
     resolved = unit_mesh(mesh, reshard_after_forward)
     device = resolved.device
     collected, borrowed = _split_tied(collect_params(modules, name, set(ignored_params or ())))
-    check_params(name, collected, device, mp_policy, mesh)
+    check_params(name, collected, device, mesh)
     for tied in borrowed:
         check_borrowable(name, tied, resolved, mp_policy)
 

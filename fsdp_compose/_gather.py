@@ -30,6 +30,7 @@ class GatheredUnit(Protocol):
     sizes: list[int]
     shard_numel: int
     is_complex: bool
+    mixed_dtypes: bool
     codecs: dict[ShardedParam, AllGatherCodec]
     custom_all_gather: CustomComm | None
 
@@ -141,8 +142,8 @@ class Gatherer:
         encoded, spec = False, None
         if inputs is not None:
             shards = torch.cat(inputs)
-        elif unit.codecs:
-            shards, sizes = encode_shards(self.params, unit.codecs, unit.device, unit.param_dtype)
+        elif unit.codecs or unit.mixed_dtypes:  # sent as bytes: see encode_shards
+            shards, sizes = encode_shards(self.params, unit.codecs, unit.device)
             encoded = True
         else:
             shards, spec = self._flat_shard(), self._spec

@@ -32,6 +32,7 @@ class ReducedUnit(Protocol):
     sizes: list[int]
     shard_numel: int
     is_complex: bool
+    mixed_dtypes: bool
     grads: GradLedger
 
     @property
@@ -115,6 +116,8 @@ class Reducer:
         else:
             rows = allocate(custom, *spec)
             flat = rows.view(-1)
+        if unit.mixed_dtypes:  # one dtype in: _chunk_cat needs it
+            grads = [g.to(spec[1]) for g in grads]
         # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
         # pads them to the shard layout and casts to reduce_dtype. Private: docs/design.md.
         torch._chunk_cat(grads, dim=0, num_chunks=unit.shard_size, out=rows)

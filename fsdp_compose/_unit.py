@@ -8,6 +8,8 @@ dimension shards and the first replicates.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._codec import AllGatherCodec
@@ -37,6 +39,7 @@ class Unit:
         self.sizes = [p.layout.padded_shard_numel for p in params]  # per row, padded
         self.shard_numel = sum(self.sizes)  # this rank's padded shards, together
         self.is_complex = False  # whether the collectives send real pairs
+        self.mixed_dtypes = False  # whether the parameters gather in different dtypes
         # Extension points (FSDPModule setters): a user's all-gather, per-parameter codecs.
         self.custom_all_gather: CustomComm | None = None
         self.codecs: dict[ShardedParam, AllGatherCodec] = {}
@@ -60,7 +63,10 @@ class Unit:
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return self.params[0].reduce_dtype
+        """What the gradients are reduced in: the widest reduce dtype of the parameters
+        that train (a frozen low-precision weight beside them sends no gradient)."""
+        training = [p.reduce_dtype for p in self.params if p.sharded.requires_grad]
+        return functools.reduce(torch.promote_types, training or [self.params[0].reduce_dtype])
 
     @property
     def is_unsharded(self) -> bool:
@@ -99,6 +105,7 @@ class Unit:
     def layout_changed(self) -> None:
         """The gatherer laid the parameters out anew (their dtypes may have changed)."""
         self.is_complex = self.param_dtype.is_complex
+        self.mixed_dtypes = len({p.param_dtype for p in self.params}) > 1
         self.reducer.layout_changed()
 
     def commit_backward(self) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 from tests.dist.parity import (
-    assert_close_to, optimizer_step, rank_share, three_models, train_and_compare,
+    assert_close_to, backward, optimizer_step, rank_share, three_models, train_and_compare,
 )
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 
@@ -137,3 +137,44 @@ def check_accumulation_without_sync_in_reduce_dtype() -> float:
 
 def test_accumulation_without_sync_sums_in_reduce_dtype(ranks):
     assert all(g > 0 for g in ranks.run(check_accumulation_without_sync_in_reduce_dtype))
+
+
+class Mixed(nn.Module):
+    """A float32 layer, a bfloat16 layer and a frozen float64 scale, in one unit."""
+
+    def __init__(self, second_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(8, 7)
+        self.second = nn.Linear(7, 5).to(second_dtype)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 5, dtype=torch.float64), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x)).to(self.second.weight.dtype)
+        return (self.second(h).double() * self.scale).float()
+
+
+def check_mixed_dtypes_in_one_unit() -> tuple[float, float, list[str]]:
+    """Parameters of different dtypes share a unit without a param_dtype: each gathers and
+    computes in its own dtype; gradients (float32 and bfloat16) reduce in float32. The
+    frozen float64 parameter next to float32 ones is torch's "mixed dtypes, no-grad param"
+    case: compared with torch's fully_shard there."""
+    world = dist.get_world_size()
+    ref = Mixed()
+    ours = copy.deepcopy(ref)
+    fully_shard(ours)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
+    for step in range(3):
+        backward((ref, ours), feature_batch(step, 2 * world), mse_loss)
+        assert_close_to(ours, ref, grads=True, where=step, rtol=2e-2, atol=2e-2)
+        optimizer_step(optims)
+    dtypes = sorted({str(p.dtype) for p in ours.parameters()})
+    errors = train_and_compare(lambda: Mixed(torch.float32), mse_loss, feature_batch,
+                               wrap=lambda model, shard: shard(model))
+    return assert_close_to(ours, ref, rtol=2e-2, atol=2e-2), errors.vs_torch, dtypes
+
+
+def test_mixed_dtypes_in_one_unit(ranks):
+    for vs_reference, vs_torch, dtypes in ranks.run(check_mixed_dtypes_in_one_unit, world_size=2):
+        assert vs_reference < 2e-2 and vs_torch == 0.0
+        assert dtypes == ["torch.bfloat16", "torch.float32", "torch.float64"]
