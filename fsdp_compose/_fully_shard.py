@@ -114,6 +114,7 @@ def fully_shard(
     device = resolved.device
     collected, borrowed = _split_tied(collect_params(modules, name, set(ignored_params or ())))
     check_params(name, collected, device, mesh)
+    policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]  # may raise: before changes
     for tied in borrowed:
         check_borrowable(name, tied, resolved, mp_policy)
 
@@ -121,7 +122,7 @@ def fully_shard(
         tensors = [p for _, p, _ in collected] + unit_buffers(modules)
         sync_from_first_rank(tensors, mesh, device)
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
-    state = _annotate(modules, name, collected, resolved, mp_policy, offload)
+    state = _annotate(modules, name, collected, policies, resolved, mp_policy, offload)
     for tied in borrowed:
         lend(tied)
         state.borrow(tied.owner, tied.param)
@@ -141,13 +142,14 @@ def _split_tied(collected: Collected) -> tuple[Collected, list[Borrowed]]:
 
 
 def _annotate(
-    modules: list[nn.Module], name: str, collected: Collected, resolved: UnitMesh,
-    mp_policy: MixedPrecisionPolicy, offload: CPUOffloadPolicy | None,
+    modules: list[nn.Module], name: str, collected: Collected,
+    policies: list[MixedPrecisionPolicy], resolved: UnitMesh, mp_policy: MixedPrecisionPolicy,
+    offload: CPUOffloadPolicy | None,
 ) -> UnitState:
     """Shard the checked parameters, build the unit and install its hooks."""
     params = [
-        ShardedParam(fqn, p, owners, resolved, mp_policy, offload)
-        for fqn, p, owners in collected
+        ShardedParam(fqn, p, owners, resolved, policy, offload)
+        for (fqn, p, owners), policy in zip(collected, policies)
     ]
     move_buffers(modules, resolved.device)
     unit = Unit(params, resolved, name)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -13,14 +15,35 @@ class MixedPrecisionPolicy:
 
     `param_dtype`: dtype of the unsharded parameters (all-gather and compute); None keeps
     the original. `reduce_dtype`: dtype of the gradient reduction; None follows
-    `param_dtype`. `output_dtype`: cast floating-point outputs to it; None leaves them.
+    `param_dtype` (torch 2.13, 2.14) or the parameter's own dtype (torch 2.15).
+    `output_dtype`: cast floating-point outputs to it; None leaves them.
     `cast_forward_inputs`: cast floating-point forward inputs to `param_dtype`.
+    `param_dtype_override_fn(param)` (torch 2.15's): called once per parameter at
+    fully_shard; None or `param_dtype` keeps the default, the parameter's own dtype keeps
+    that parameter in it. It must answer alike on every rank.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(
+        default=None, kw_only=True
+    )
+
+    def for_param(self, fqn: str, param: nn.Parameter) -> MixedPrecisionPolicy:
+        """The policy of one parameter: `param_dtype_override_fn` applied."""
+        if self.param_dtype_override_fn is None:
+            return self
+        override = self.param_dtype_override_fn(param)
+        if override is not None and override not in (self.param_dtype, param.dtype):
+            raise ValueError(
+                f"param_dtype_override_fn returned {override!r} for parameter {fqn!r} "
+                f"({param.dtype}); it must return None, param_dtype ({self.param_dtype}) or "
+                "the parameter's own dtype."
+            )
+        param_dtype = self.param_dtype if override is None else override
+        return replace(self, param_dtype=param_dtype, param_dtype_override_fn=None)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,10 @@ def torch_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
     """The same options for torch's fully_shard, whose policies are its own classes."""
     policy = kwargs.get("mp_policy")
     if isinstance(policy, MixedPrecisionPolicy):
-        kwargs = {**kwargs, "mp_policy": TorchMixedPrecisionPolicy(**dataclasses.asdict(policy))}
+        fields = {f.name for f in dataclasses.fields(TorchMixedPrecisionPolicy)}
+        settings = {k: v for k, v in dataclasses.asdict(policy).items() if k in fields}
+        assert settings == dataclasses.asdict(policy) or policy.param_dtype_override_fn is None
+        kwargs = {**kwargs, "mp_policy": TorchMixedPrecisionPolicy(**settings)}
     offload = kwargs.get("offload_policy")
     if isinstance(offload, CPUOffloadPolicy):
         kwargs = {**kwargs, "offload_policy": TorchCPUOffloadPolicy(**dataclasses.asdict(offload))}
@@ -67,7 +70,8 @@ def three_models(
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
     ours_fn, theirs_fn = shard_fns
     wrap(ours, lambda m, **kw: ours_fn(m, **{"mesh": mesh, **shard_kwargs, **kw}))
-    wrap(theirs, lambda m, **kw: theirs_fn(m, **torch_kwargs({"mesh": mesh, **shard_kwargs, **kw})))
+    convert = torch_kwargs if theirs_fn is torch_fully_shard else dict
+    wrap(theirs, lambda m, **kw: theirs_fn(m, **convert({"mesh": mesh, **shard_kwargs, **kw})))
     return ref, ours, theirs
 
 

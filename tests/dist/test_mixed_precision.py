@@ -4,10 +4,14 @@ shards and optimizer state; in parity with torch's fully_shard and a manual refe
 from __future__ import annotations
 
 import copy
+import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 from tests.dist.parity import (
@@ -178,3 +182,54 @@ def test_mixed_dtypes_in_one_unit(ranks):
     for vs_reference, vs_torch, dtypes in ranks.run(check_mixed_dtypes_in_one_unit, world_size=2):
         assert vs_reference < 2e-2 and vs_torch == 0.0
         assert dtypes == ["torch.bfloat16", "torch.float32", "torch.float64"]
+
+
+class Gated(nn.Module):
+    """A gate computed in float32 (its module casts its input up) between bf16 layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 7)
+        self.gate = nn.Linear(7, 1)
+        self.out = nn.Linear(7, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x))
+        return self.out(h * torch.sigmoid(self.gate(h.float())).to(h.dtype))
+
+
+GATE_SHAPES = {(1, 7), (1,)}  # the gate's parameters, and only they, have these shapes
+
+
+def keep_gate(param: nn.Parameter) -> torch.dtype | None:
+    return param.dtype if tuple(param.shape) in GATE_SHAPES else None
+
+
+def check_param_dtype_override() -> tuple[float, list[str]]:
+    """torch 2.15's param_dtype_override_fn: the gate's parameters stay float32 while the
+    rest compute in bfloat16 (on 2.15 in parity with torch's fully_shard; on older torch,
+    ours in both seats: the single-process comparison still holds)."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=keep_gate)
+    torch_has_it = "param_dtype_override_fn" in {
+        f.name for f in dataclasses.fields(TorchMixedPrecisionPolicy)
+    }
+    errors = train_and_compare(
+        Gated, mse_loss, feature_batch, mp_policy=policy, reference_tolerance=BF16_VS_FLOAT32,
+        wrap=lambda model, shard: shard(model),
+        shard_fns=(fully_shard, torch_fully_shard if torch_has_it else fully_shard),
+    )
+    model = Gated()
+    fully_shard(model, mp_policy=policy)
+    model.unshard()
+    dtypes = sorted({f"{name.split('.')[0]}: {p.dtype}" for name, p in model.named_parameters()})
+    with pytest.raises(ValueError, match=r"param_dtype_override_fn returned torch\.float16 for "
+                       r"parameter 'layers\.0\.weight'"):
+        fully_shard(MLP(), mp_policy=MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: torch.float16))
+    return errors.vs_torch, dtypes
+
+
+def test_param_dtype_override(ranks):
+    for vs_torch, dtypes in ranks.run(check_param_dtype_override, world_size=2):
+        assert vs_torch == 0.0
+        assert dtypes == ["first: torch.bfloat16", "gate: torch.float32", "out: torch.bfloat16"]

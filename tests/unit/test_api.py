@@ -25,11 +25,11 @@ def test_fully_shard_signature_matches_torch():
     assert list(ours)[: len(theirs)] == list(theirs)
     for name, param in theirs.items():
         assert ours[name].kind == param.kind, name
-        if name == "mp_policy":  # torch 2.15 added param_dtype_override_fn, not supported yet
+        if name == "mp_policy":  # param_dtype_override_fn: torch 2.15's, ours on every torch
             ours_fields = dataclasses.asdict(ours[name].default)
             theirs_fields = dataclasses.asdict(param.default)
-            assert set(theirs_fields) - set(ours_fields) <= {"param_dtype_override_fn"}
-            assert ours_fields == {k: v for k, v in theirs_fields.items() if k in ours_fields}
+            assert set(ours_fields) - set(theirs_fields) <= {"param_dtype_override_fn"}
+            assert theirs_fields == {k: v for k, v in ours_fields.items() if k in theirs_fields}
         elif name != "module":
             assert repr(ours[name].default) == repr(param.default), name
     # What we add comes after, keyword-only, off by default.
