@@ -98,9 +98,8 @@ def fully_shard(
     over `mesh=mesh["dp"]` as 2-D parameters.
 
     Ours, not torch's: `sync_module_states=True` first overwrites the unit's parameters and
-    buffers with those of the mesh's first rank, so every rank starts identical.
-    Arguments are checked before anything changes, so a call that raises leaves `module`
-    untouched.
+    buffers with those of the mesh's first rank, so every rank starts identical. Arguments
+    are checked before anything changes: a call that raises leaves `module` untouched.
     """
     modules = list(module) if isinstance(module, list) else [module]
     check_modules(modules)
@@ -112,25 +111,24 @@ def fully_shard(
     check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", mesh.size(-1))
     resolved = unit_mesh(mesh, reshard_after_forward)
     device = resolved.device
-    collected, borrowed = _split_tied(collect_params(modules, name, set(ignored_params or ())))
+    collected = collect_params(modules, name, set(ignored_params or ()))
+    collected, borrowed = _split_tied(name, collected, resolved, mp_policy)
     check_params(name, collected, device, mesh)
     policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]  # may raise: before changes
-    for tied in borrowed:
-        check_borrowable(name, tied, resolved, mp_policy)
 
     if sync_module_states:
         tensors = [p for _, p, _ in collected] + unit_buffers(modules)
         sync_from_first_rank(tensors, mesh, device)
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
-    state = _annotate(modules, name, collected, policies, resolved, mp_policy, offload)
-    for tied in borrowed:
-        lend(tied)
-        state.borrow(tied.owner, tied.param)
+    _annotate(modules, name, collected, policies, borrowed, resolved, mp_policy, offload)
     return module  # type: ignore[return-value]  # annotated in place: now FSDPModules
 
 
-def _split_tied(collected: Collected) -> tuple[Collected, list[Borrowed]]:
-    """The parameters this unit will own, and those another unit owns already (tied)."""
+def _split_tied(
+    name: str, collected: Collected, resolved: UnitMesh, mp_policy: MixedPrecisionPolicy
+) -> tuple[Collected, list[Borrowed]]:
+    """The parameters this unit will own, and those another unit owns already (tied),
+    checked for borrowing."""
     own: Collected = []
     borrowed: list[Borrowed] = []
     for fqn, param, holders in collected:
@@ -138,15 +136,16 @@ def _split_tied(collected: Collected) -> tuple[Collected, list[Borrowed]]:
             own.append((fqn, param, holders))
         else:
             borrowed.append(Borrowed(fqn, *owner, holders))
+            check_borrowable(name, borrowed[-1], resolved, mp_policy)
     return own, borrowed
 
 
 def _annotate(
     modules: list[nn.Module], name: str, collected: Collected,
-    policies: list[MixedPrecisionPolicy], resolved: UnitMesh, mp_policy: MixedPrecisionPolicy,
-    offload: CPUOffloadPolicy | None,
-) -> UnitState:
-    """Shard the checked parameters, build the unit and install its hooks."""
+    policies: list[MixedPrecisionPolicy], borrowed: list[Borrowed], resolved: UnitMesh,
+    mp_policy: MixedPrecisionPolicy, offload: CPUOffloadPolicy | None,
+) -> None:
+    """Shard the checked parameters, build the unit, install its hooks, borrow the tied."""
     params = [
         ShardedParam(fqn, p, owners, resolved, policy, offload)
         for (fqn, p, owners), policy in zip(collected, policies)
@@ -168,7 +167,9 @@ def _annotate(
     state.install_hooks()
     install_state_dict_hooks(state)
     mark_replaced(name, collected)
-    return state
+    for tied in borrowed:
+        lend(tied)
+        state.borrow(tied.owner, tied.param)
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
