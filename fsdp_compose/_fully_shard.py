@@ -153,7 +153,7 @@ def _annotate(
     move_buffers(modules, resolved.device)
     unit = Unit(params, resolved, name)
     unit.set_post_forward_mesh(resolved.post_forward_mesh)
-    state = UnitState(modules, unit, resolved.reshard_after_forward, mp_policy, name)
+    state = UnitState(modules, unit, resolved.reshard_after_forward, mp_policy)
     for (_, original, _), param in zip(collected, params):
         setattr(param.sharded, SHARDED_MARK, True)
         setattr(original, OWNER_ATTR, (state, param))
@@ -168,8 +168,7 @@ def _annotate(
     install_state_dict_hooks(state)
     mark_replaced(name, collected)
     for tied in borrowed:
-        lend(tied)
-        state.borrow(tied.owner, tied.param)
+        lend(tied, state)
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:

@@ -63,7 +63,7 @@ class UnitState:
 
     def __init__(
         self, modules: list[nn.Module], unit: Unit, reshard_after_forward: bool | None,
-        mp_policy: MixedPrecisionPolicy, label: str,
+        mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules
         self.unit = unit
@@ -73,7 +73,6 @@ class UnitState:
         self.reshard_after_backward = True
         self.unshard_in_backward = True
         self.requires_gradient_sync = True
-        self.label = label
         self.phase = IDLE
         self.initialised = False
         # Parameters tied across units (see _tied.py): the units whose parameters this one
@@ -107,15 +106,14 @@ class UnitState:
             # Also called when forward raised, to undo what pre_forward did.
             module.register_forward_hook(self.post_forward, always_call=True)
 
-    def borrow(self, owner: UnitState, param: ShardedParam) -> None:
-        """This unit's modules use `param`, which `owner` gathers and reduces."""
-        self.borrowed_params.append(param)
-        if not any(owner is o for o in self.borrowed_from):
-            self.borrowed_from.append(owner)
-
     def _unshard_lenders(self) -> None:
         for owner in self.borrowed_from:
             owner.unit.unshard()
+
+    @property
+    def label(self) -> str:
+        """For messages: the modules' class names, their fqn under the root once it ran."""
+        return self.unit.label
 
     @property
     def awaits_backward(self) -> bool:
@@ -205,7 +203,10 @@ class UnitState:
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():
             return _run_eagerly(self.post_forward, module, args, output)
-        if _forward_raised(output):
+        # nn.Module calls this hook with output None when forward raised, from inside its
+        # `except` (a forward returning None while its caller handles an exception reads
+        # as failed too: nothing can run backward through it, and the unit is resharded).
+        if output is None and sys.exc_info()[1] is not None:
             self._after_failed_forward(module)
             return None
         in_backward = _current_graph_task_id() != -1  # recomputation: see pre_forward
@@ -312,10 +313,11 @@ class UnitState:
         this time; then IDLE."""
         unfinished = self.phase is PRE_BACKWARD
         self.backward_end.at_end_of_backward(unfinished)
-        if unfinished or (self.phase is not POST_BACKWARD and self.unit.has_unsharded_grads()):
-            self._reduce_and_reshard()
-        elif self.phase is not POST_BACKWARD and self.reshard_after_backward:
-            self.unit.reshard()
+        if self.phase is not POST_BACKWARD:
+            if unfinished or self.unit.has_unsharded_grads():
+                self._reduce_and_reshard()
+            elif self.reshard_after_backward:
+                self.unit.reshard()
         self.phase = IDLE
 
     def forget_iteration(self) -> None:
@@ -331,14 +333,6 @@ class UnitState:
             self.root.reset()
         else:
             self.forget_iteration()
-
-
-def _forward_raised(output: Any) -> bool:
-    """Whether a post-forward hook runs for a forward that raised: nn.Module calls hooks
-    registered with always_call with output None from inside its `except` (a forward that
-    returns None while its caller handles an exception reads as failed too: nothing can run
-    backward through it, and the unit is resharded)."""
-    return output is None and sys.exc_info()[1] is not None
 
 
 def _call(hook: Callable[..., Any], *args: Any) -> Any:

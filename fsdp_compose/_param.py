@@ -124,10 +124,9 @@ class ShardedParam:
         shard, so the unit sends it without a copy), in the same parameter object."""
         flat_piece.copy_(self.padded_shard)
         self.padded_shard = flat_piece
-        local = flat_piece[: self._local_shape.numel()].view(self._local_shape)
-        sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.sharded.requires_grad)
-        _give_data(self.sharded, sharded)
-        self._local = _local_of(self.sharded)
+        # Same dtype, device and spec: only the local tensor changes (see _give_data).
+        self._local = flat_piece[: self._local_shape.numel()].view(self._local_shape)
+        self.sharded._local_tensor = self._local  # type: ignore[attr-defined]
 
     def _allocate_unsharded_buffer(self, device: torch.device) -> None:
         buffer = torch.empty(
@@ -192,7 +191,8 @@ class ShardedParam:
         parameters, attr = self._home
         registered = parameters.get(attr)
         # As in every iteration: ours, sharded (its local tensor read directly).
-        if registered is self.sharded and _local_of(registered) is self._local:
+        # (Its local tensor read inline: a call per parameter and iteration costs more.)
+        if registered is self.sharded and registered._local_tensor is self._local:  # type: ignore[attr-defined]
             if self.unsharded.requires_grad is not registered.requires_grad:
                 self.unsharded.requires_grad_(registered.requires_grad)
             return False

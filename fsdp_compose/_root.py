@@ -25,7 +25,9 @@ class Member(Protocol):
 
     modules: list[nn.Module]
     unit: Unit
-    label: str
+
+    @property
+    def label(self) -> str: ...
     comm: CommContext
     post_optim_event: Any
     initialised: bool
@@ -107,11 +109,12 @@ class Root(Generic[S]):
             if s not in ran:
                 s.unit.reshard()
         self.forward_prefetched.clear()
+        no_backward = not torch.is_grad_enabled()
         for s in self.states:
             # A list unit whose modules did not all run (e.g. a head skipped by a chunked
             # loss) still ends its forward with the forward that enclosed it.
             s.end_partial_forward(output)
-            if s.lends and not torch.is_grad_enabled():  # no backward follows: free them now
+            if s.lends and no_backward:  # lenders keep their parameters: free them now
                 s.unit.reshard()
 
     def queue_final_callback(self) -> None:
@@ -162,7 +165,7 @@ def _units_under(root: S) -> list[S]:
                 f"{type(root.modules[0]).__name__}. Run forward through the outermost "
                 "annotated module first."
             )
-        s.label = s.unit.label = fqn or f"<root {type(module).__name__}>"
+        s.unit.label = fqn or f"<root {type(module).__name__}>"
         s.unit.fqn_prefix = f"{fqn}." if fqn else ""
         states.append(s)
     return states

@@ -58,8 +58,9 @@ def check_borrowable(name: str, borrowed: Borrowed, mesh: UnitMesh, mp: MixedPre
         )
 
 
-def lend(borrowed: Borrowed) -> None:
-    """Register the owner's sharded parameter in the borrowing modules, as one of its owners."""
+def lend(borrowed: Borrowed, borrower: UnitState) -> None:
+    """Register the owner's sharded parameter in the borrowing modules, as one of its owners,
+    and tell both units."""
     param = borrowed.param
     param.owners.extend(borrowed.holders)
     for module, attr in borrowed.holders:
@@ -68,3 +69,6 @@ def lend(borrowed: Borrowed) -> None:
     owner.unit.shards_replaced()  # its registrations now include the borrowers
     owner.lends = True
     owner.backward_end.may_end_on_inputs = False  # see BackwardEnd
+    borrower.borrowed_params.append(param)
+    if not any(owner is o for o in borrower.borrowed_from):
+        borrower.borrowed_from.append(owner)
