@@ -86,10 +86,10 @@ def check_options(
             f"fully_shard({name}): offload_policy must be fsdp_compose.OffloadPolicy or "
             f"CPUOffloadPolicy, got {type(offload_policy).__name__}"
         )
-    if shard_placement_fn is not None:
-        raise NotImplementedError(
-            f"fully_shard({name}): shard_placement_fn (sharding on a dim other than 0) is "
-            "not supported; parameters are sharded on dim 0."
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            f"fully_shard({name}): shard_placement_fn must be a callable (param) -> Shard | "
+            f"ShardPlacementResult | None, got {type(shard_placement_fn).__name__}"
         )
     if dp_mesh_dims is not None:
         raise NotImplementedError(

@@ -70,11 +70,16 @@ def decode_rows(
     gathered: torch.Tensor, sizes: list[int], params: list[ShardedParam],
     codecs: dict[ShardedParam, AllGatherCodec], outs: list[torch.Tensor],
 ) -> None:
-    """Write each parameter's unsharded rows into `outs` from the gathered bytes (row r:
-    rank r's encode_shards)."""
+    """Write each parameter's unsharded data into `outs` (its ShardedParam.gather_target)
+    from the gathered bytes (row r: rank r's encode_shards). A codec decodes into rows,
+    (ranks, padded shard numel): a target sharded on a dim other than 0 (strided, more
+    than 2-D) takes them afterwards."""
     for out, p, data in zip(outs, params, torch.split(gathered, sizes, dim=1)):
+        rows = out if out.dim() == 2 else out.new_empty(out.shape[0], p.layout.padded_shard_numel)
         codec = codecs.get(p)
         if codec is None:
-            out.copy_(data[:, : out.shape[1] * out.element_size()].view(out.dtype))
+            rows.copy_(data[:, : rows.shape[1] * rows.element_size()].view(rows.dtype))
         else:
-            codec.decode(data, out, p.layout.padded_rows, p.layout.row_numel)
+            codec.decode(data, rows, p.layout.padded_rows, p.layout.row_numel)
+        if rows is not out:
+            out.copy_(rows.view(out.shape))

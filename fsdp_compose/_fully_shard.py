@@ -4,7 +4,6 @@ functions beside it (register_fsdp_forward_method, share_comm_ctx)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, overload
 
 from torch import nn
@@ -19,13 +18,13 @@ from ._hooks import UnitState
 from ._init import move_buffers, sync_from_first_rank, unit_buffers
 from ._meshes import UnitMesh, default_mesh, unit_mesh
 from ._param import ShardedParam
+from ._placement import ShardPlacementFn, shard_dims
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._root import STATE_ATTR
 from ._state_dict import install_state_dict_hooks
 from ._tied import OWNER_ATTR, Borrowed, check_borrowable, lend, owner_of
 from ._unit import Unit
 
-ShardPlacementFn = Callable[[nn.Parameter], Any]
 _MANAGED_MARKERS = {"_is_fsdp_managed_module": True, "_fsdp_use_orig_params": True}
 
 
@@ -114,13 +113,15 @@ def fully_shard(
     collected = collect_params(modules, name, set(ignored_params or ()))
     collected, borrowed = _split_tied(name, collected, resolved, mp_policy)
     check_params(name, collected, device, mesh)
-    policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]  # may raise: before changes
+    # May raise: before anything changes.
+    dims = shard_dims(name, [(fqn, p) for fqn, p, _ in collected], shard_placement_fn, resolved)
+    policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]
 
     if sync_module_states:
         tensors = [p for _, p, _ in collected] + unit_buffers(modules)
         sync_from_first_rank(tensors, mesh, device)
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
-    _annotate(modules, name, collected, policies, borrowed, resolved, mp_policy, offload)
+    _annotate(modules, name, collected, dims, policies, borrowed, resolved, mp_policy, offload)
     return module  # type: ignore[return-value]  # annotated in place: now FSDPModules
 
 
@@ -141,14 +142,14 @@ def _split_tied(
 
 
 def _annotate(
-    modules: list[nn.Module], name: str, collected: Collected,
+    modules: list[nn.Module], name: str, collected: Collected, dims: list[int],
     policies: list[MixedPrecisionPolicy], borrowed: list[Borrowed], resolved: UnitMesh,
     mp_policy: MixedPrecisionPolicy, offload: CPUOffloadPolicy | None,
 ) -> None:
     """Shard the checked parameters, build the unit, install its hooks, borrow the tied."""
     params = [
-        ShardedParam(fqn, p, owners, resolved, policy, offload)
-        for (fqn, p, owners), policy in zip(collected, policies)
+        ShardedParam(fqn, p, owners, resolved, policy, offload, dim)
+        for (fqn, p, owners), dim, policy in zip(collected, dims, policies)
     ]
     move_buffers(modules, resolved.device)
     unit = Unit(params, resolved, name)

@@ -78,6 +78,7 @@ class Gatherer:
         self._unsharded_storages: list[tuple[torch.UntypedStorage, int]] = []
         self._storage_allocated = False  # whether _unsharded_storages hold their bytes
         self._targets: list[torch.Tensor] = []
+        self._targets_are_rows = True  # all 2-D (every parameter sharded on dim 0)
         self._registrations: list[_OwnerForms] = []  # see lay_out
         self._buffer = ReusedBuffer()  # unless a custom all-gather allocates
         self._pending: _Gather | None = None
@@ -187,6 +188,7 @@ class Gatherer:
             storage.resize_(0)
         self._storage_allocated = False
         self._targets = [p.gather_target(from_post_forward=False) for p in params]
+        self._targets_are_rows = all(t.dim() == 2 for t in self._targets)
         # The unit registers all its parameters with one dict update per owning module (a
         # method call per parameter costs more than the work), while this layout holds.
         self._registrations = _forms_by_owner(r for p in params for r in p.registrations())
@@ -217,16 +219,18 @@ class Gatherer:
             for storage, nbytes in self._unsharded_storages:
                 storage.resize_(nbytes)
             self._storage_allocated = True
-        if gather.encoded:
-            decode_rows(gather.gathered, gather.sizes, self.params, unit.codecs, self._targets)
+        if gather.from_post_forward:
+            targets = [p.gather_target(from_post_forward=True) for p in self.params]
+            rows = all(t.dim() == 2 for t in targets)
         else:
-            torch.split_with_sizes_copy(
-                gather.gathered,
-                gather.sizes,
-                dim=1,
-                out=[p.gather_target(from_post_forward=True) for p in self.params]
-                if gather.from_post_forward else self._targets,
-            )
+            targets, rows = self._targets, self._targets_are_rows
+        if gather.encoded:
+            decode_rows(gather.gathered, gather.sizes, self.params, unit.codecs, targets)
+        elif rows:
+            torch.split_with_sizes_copy(gather.gathered, gather.sizes, dim=1, out=targets)
+        else:  # some parameter is sharded on another dim: its target is strided
+            for target, piece in zip(targets, torch.split(gather.gathered, gather.sizes, dim=1)):
+                target.copy_(piece.view(target.shape))
         self._buffer.release()
         if unit.streams is not None:
             unit.streams.copied_out()

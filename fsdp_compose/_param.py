@@ -8,11 +8,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.torch_version import TorchVersion
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ._meshes import UnitMesh
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy
-from ._sharding import ShardLayout, chunk_range, contiguous_stride, shard_layout
+from ._sharding import ShardLayout, contiguous_stride, shard_layout
 from ._tensor_parallel import TensorParallel
 
 
@@ -37,7 +37,8 @@ class Registration(NamedTuple):
 
 
 class ShardedParam:
-    """A parameter sharded on dim 0; registered on its module(s) as one form or the other.
+    """A parameter sharded on one dim (0 unless shard_placement_fn says otherwise);
+    registered on its module(s) as one form or the other.
 
     `sharded` is the `nn.Parameter(DTensor)` the optimizer steps on, in the original dtype.
     Its local tensor is a view of `padded_shard`, whose trailing padding stays zero, so the
@@ -59,6 +60,7 @@ class ShardedParam:
         mesh: UnitMesh,
         mp_policy: MixedPrecisionPolicy,
         offload: CPUOffloadPolicy | None = None,
+        dim: int = 0,
     ) -> None:
         self.fqn = fqn
         self.owners = owners  # every (module, attribute) the parameter is registered as
@@ -75,26 +77,31 @@ class ShardedParam:
         # A tensor-parallel DTensor: we shard its local tensor (Note [tensor parallel]).
         self._tp = TensorParallel.of(param) if isinstance(param, DTensor) else None
         whole = self._tp.local(param) if self._tp is not None else param.detach()  # type: ignore[arg-type]  # a DTensor when _tp is set
-        self.layout: ShardLayout = shard_layout(whole.shape, shard_size)
+        self.layout: ShardLayout = shard_layout(whole.shape, shard_size, dim)
         self._local_shape = self.layout.local_shape(rank)
         self._local_stride = contiguous_stride(self._local_shape)
-        self._rows = chunk_range(whole.shape[0], shard_size, rank)
+        self._chunk = self.layout.chunk(rank)
+        placements = (*mesh.placements[:-1], Shard(dim))
         if self._tp is None:
             shape = self.layout.shape
-            self._spec = (mesh.mesh, mesh.placements, shape, contiguous_stride(shape))
+            self._spec = (mesh.mesh, placements, shape, contiguous_stride(shape))
         else:
-            self._spec = self._tp.sharded_spec(mesh.mesh, mesh.placements)
+            self._spec = self._tp.sharded_spec(mesh.mesh, placements, dim)
         # reshard_after_forward=<int>: the layout over the smaller post-forward group, the
         # rows this rank keeps of it, and (between forward and backward) the kept piece.
         self._post_forward: tuple[ShardLayout, range] | None = None
         self.post_forward_shard: torch.Tensor | None = None
         self.sharded: nn.Parameter = None  # type: ignore[assignment]  # set by _store_shard
-        self._store_shard(whole[self._rows.start : self._rows.stop], param.requires_grad)
+        self._store_shard(self._mine(whole), param.requires_grad)
+
+    def _mine(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of `whole` (a tensor of the TP-local shape) on the shard dim."""
+        return whole.narrow(self.layout.dim, self._chunk.start, len(self._chunk))
 
     def _store_shard(
         self, local: torch.Tensor, requires_grad: bool, keep: nn.Parameter | None = None
     ) -> None:
-        """Make `local` (this rank's rows) the shard: copy it into a fresh padded shard,
+        """Make `local` (this rank's slice) the shard: copy it into a fresh padded shard,
         build the sharded parameter on it (as the object `keep`, if given, so optimizers
         and modules holding it see the new data), and size the unsharded buffers to match.
         A meta `local` stays on meta until `materialize`."""
@@ -145,7 +152,7 @@ class ShardedParam:
         # own version counter. Writing through the buffer itself would bump the counter
         # that autograd checks on the unsharded parameter saved for backward, and the
         # re-gather before backward would then look like an illegal in-place edit.
-        self._gather_target = buffer.data.view(self.layout.shard_size, -1)
+        self._gather_target = self.layout.rank_rows(buffer.data)
         unsharded = buffer[: self.layout.numel].view(self.layout.shape)
         if self._tp is not None:
             unsharded = self._tp.as_dtensor(unsharded)
@@ -171,15 +178,14 @@ class ShardedParam:
         return self.padded_shard.is_meta
 
     def materialize(self, unsharded: torch.Tensor) -> None:
-        """Keep this rank's rows of `unsharded` (an initialised meta parameter) as the shard,
-        in the same parameter object (an optimizer built already keeps working)."""
-        rows = unsharded[self._rows.start : self._rows.stop]
-        self._store_shard(rows, self.sharded.requires_grad, keep=self.sharded)
+        """Keep this rank's slice of `unsharded` (an initialised meta parameter) as the
+        shard, in the same parameter object (an optimizer built already keeps working)."""
+        self._store_shard(self._mine(unsharded), self.sharded.requires_grad, keep=self.sharded)
 
     def shard_of(self, whole: torch.Tensor) -> DTensor:
-        """This rank's rows of `whole` (a tensor of the parameter's shape), as a DTensor like ours."""
+        """This rank's slice of `whole` (a tensor of the parameter's shape), as a DTensor like ours."""
         local = self._tp.slice(whole.detach()) if self._tp is not None else whole.detach()
-        return self._as_dtensor(local[self._rows.start : self._rows.stop])
+        return self._as_dtensor(self._mine(local))
 
     def adopt_registered(self, fqn_prefix: str = "") -> bool:
         """Make what the module holds our shard again, if it changed behind our back:
@@ -232,15 +238,13 @@ class ShardedParam:
         return self._unsharded_buffer
 
     def gather_target(self, from_post_forward: bool) -> torch.Tensor:
-        """Where the all-gather result lands: (shard_size, padded_shard_numel), or the same
-        for the post-forward layout."""
+        """Where the all-gather result lands (see ShardLayout.rank_rows; 2-D on dim 0), for
+        the full or the post-forward layout."""
         if not from_post_forward:
             return self._gather_target
         # The post-forward group divides the shard size, so its padded layout is no longer
         # than the full one: k * ceil(n / k) <= W * ceil(n / W) when k divides W.
-        layout = self._post_forward_plan()[0]
-        rows = layout.shard_size * layout.padded_shard_numel
-        return self._unsharded_buffer.data[:rows].view(layout.shard_size, -1)
+        return self._post_forward_plan()[0].rank_rows(self._unsharded_buffer.data)
 
     def set_post_forward_group(self, group_size: int | None, index: int) -> None:
         """After forward, keep piece `index` of a `group_size`-way shard (None: keep nothing)."""
@@ -248,8 +252,8 @@ class ShardedParam:
         if group_size is None:
             self._post_forward = None
             return
-        layout = shard_layout(self.layout.shape, group_size)
-        self._post_forward = (layout, chunk_range(self.layout.shape[0], group_size, index))
+        layout = shard_layout(self.layout.shape, group_size, self.layout.dim)
+        self._post_forward = (layout, layout.chunk(index))
 
     def _post_forward_plan(self) -> tuple[ShardLayout, range]:
         assert self._post_forward is not None, f"{self.fqn}: no post-forward group set"
@@ -267,11 +271,10 @@ class ShardedParam:
 
     def keep_post_forward_shard(self) -> None:
         """Copy this rank's piece of the post-forward layout out of the unsharded data."""
-        layout, rows = self._post_forward_plan()
+        layout, chunk = self._post_forward_plan()
         shard = self.unsharded.detach().new_empty(layout.padded_shard_numel)  # padding unread
-        shard[: len(rows) * layout.row_numel].copy_(
-            self.unsharded.detach()[rows.start : rows.stop].reshape(-1)
-        )
+        piece = self.unsharded.detach().narrow(layout.dim, chunk.start, len(chunk))
+        shard[: piece.numel()].copy_(piece.reshape(-1))
         self.post_forward_shard = shard
 
     def to_unsharded(self) -> None:

@@ -33,6 +33,7 @@ class ReducedUnit(Protocol):
     shard_numel: int
     is_complex: bool
     mixed_dtypes: bool
+    all_dim0: bool
     grads: GradLedger
 
     @property
@@ -118,6 +119,8 @@ class Reducer:
             flat = rows.view(-1)
         if unit.mixed_dtypes:  # one dtype in: _chunk_cat needs it
             grads = [g.to(spec[1]) for g in grads]
+        if not unit.all_dim0:  # each rank's slice on the shard dim first: see ShardLayout
+            grads = [p.layout.rank_first(g) for p, g in zip(params, grads)]
         # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
         # pads them to the shard layout and casts to reduce_dtype. Private: docs/design.md.
         torch._chunk_cat(grads, dim=0, num_chunks=unit.shard_size, out=rows)

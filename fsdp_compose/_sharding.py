@@ -1,4 +1,5 @@
-"""Pure shape math for dim-0 sharding: torch.chunk ranges and the padded communication layout."""
+"""Pure shape math for sharding on one dim: torch.chunk ranges and the padded communication
+layout."""
 
 from __future__ import annotations
 
@@ -15,16 +16,21 @@ def chunk_range(dim0: int, shard_size: int, rank: int) -> range:
 
 
 class ShardLayout(NamedTuple):
-    """How one parameter is cut into `shard_size` dim-0 shards and padded for communication.
+    """How one parameter is cut into `shard_size` shards on `dim` and padded for
+    communication.
 
-    Every rank's shard is padded to `padded_rows` rows, so an all-gather of the padded
-    shards, read rank after rank, is the parameter followed by padding rows.
+    On dim 0 every rank's shard is padded to `padded_rows` rows, so an all-gather of the
+    padded shards, read rank after rank, is the parameter followed by padding rows. On
+    another dim (split evenly: see check_shard_dims) every shard is a contiguous tensor of
+    `padded_rows` indices on `dim`; the gathered shards, rank after rank, are the parameter
+    seen through `rank_first`, which the copy-out and the reduce-scatter's input go through.
     """
 
     shape: torch.Size  # the unsharded parameter's shape
     shard_size: int
-    padded_rows: int  # rows of every rank's padded shard: ceil(dim0 / shard_size)
-    row_numel: int  # elements per dim-0 row
+    dim: int  # the dim it is sharded on, from 0
+    padded_rows: int  # every rank's padded shard's size on `dim`: ceil(size / shard_size)
+    row_numel: int  # elements per index on `dim`
 
     @property
     def padded_shard_numel(self) -> int:
@@ -34,18 +40,39 @@ class ShardLayout(NamedTuple):
     def numel(self) -> int:
         return self.shape.numel()
 
+    def chunk(self, rank: int) -> range:
+        """`rank`'s indices on `dim`."""
+        return chunk_range(self.shape[self.dim], self.shard_size, rank)
+
     def local_shape(self, rank: int) -> torch.Size:
-        rows = len(chunk_range(self.shape[0], self.shard_size, rank))
-        return torch.Size((rows, *self.shape[1:]))
+        shape = list(self.shape)
+        shape[self.dim] = len(self.chunk(rank))
+        return torch.Size(shape)
+
+    def rank_first(self, whole: torch.Tensor) -> torch.Tensor:
+        """A view of `whole` (the parameter's shape) chunked on dim 0 as this layout chunks
+        it on `dim`: itself on dim 0, else (shard_size, *shard shape), strided."""
+        if self.dim == 0:
+            return whole
+        split: torch.Tensor = whole.unflatten(self.dim, (self.shard_size, self.padded_rows))
+        return split.movedim(self.dim, 0)
+
+    def rank_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """Where an all-gather's rows land in the flat unsharded data (the parameter, then
+        padding): (shard_size, padded_shard_numel) on dim 0, else rank_first of it."""
+        if self.dim == 0:
+            return flat[: self.shard_size * self.padded_shard_numel].view(self.shard_size, -1)
+        return self.rank_first(flat[: self.numel].view(self.shape))
 
 
-def shard_layout(shape: torch.Size, shard_size: int) -> ShardLayout:
-    """The layout of a parameter of `shape` (at least 1-D) sharded `shard_size` ways on dim 0."""
+def shard_layout(shape: torch.Size, shard_size: int, dim: int = 0) -> ShardLayout:
+    """The layout of a parameter of `shape` (at least 1-D) sharded `shard_size` ways on `dim`."""
     return ShardLayout(
         shape=torch.Size(shape),
         shard_size=shard_size,
-        padded_rows=-(-shape[0] // shard_size),
-        row_numel=math.prod(shape[1:]),
+        dim=dim,
+        padded_rows=-(-shape[dim] // shard_size),
+        row_numel=math.prod(shape[:dim]) * math.prod(shape[dim + 1 :]),
     )
 
 

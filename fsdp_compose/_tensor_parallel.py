@@ -13,10 +13,10 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 # Note [tensor parallel]: a parameter that tensor parallelism made a DTensor on a TP mesh
 # is sharded here as its local tensor: rows of the TP-local tensor over the data-parallel
-# mesh. Unsharded, it is the TP DTensor again (the all-gather rebuilds its local tensor);
-# sharded, a DTensor on the concatenated (dp..., tp) mesh. When TP also shards dim 0, each
-# dp shard holds rows of a TP shard, a layout DTensor names _StridedShard(0, split_factor=
-# TP shards), as torch's fully_shard does.
+# mesh (or slices on the dim shard_placement_fn names). Unsharded, it is the TP DTensor again (the all-gather rebuilds its local tensor);
+# sharded, a DTensor on the concatenated (dp..., tp) mesh. When TP also shards that dim,
+# each dp shard holds slices of a TP shard, a layout DTensor names _StridedShard(dim,
+# split_factor=TP shards), as torch's fully_shard does.
 
 
 class TensorParallel(NamedTuple):
@@ -49,13 +49,15 @@ class TensorParallel(NamedTuple):
         )
 
     def sharded_spec(
-        self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...]
+        self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...], dim: int
     ) -> tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]:
-        tp_rows = 1
+        """The sharded parameter's DTensor spec when the data-parallel mesh shards the
+        TP-local tensor on `dim`."""
+        tp_shards = 1
         for size, placement in zip(self.mesh.shape, self.placements):
-            if placement.is_shard(0):
-                tp_rows *= size
-        if tp_rows > 1:
-            dp_placements = (*dp_placements[:-1], _StridedShard(0, split_factor=tp_rows))
+            if placement.is_shard(dim):
+                tp_shards *= size
+        if tp_shards > 1:
+            dp_placements = (*dp_placements[:-1], _StridedShard(dim, split_factor=tp_shards))
         mesh = DeviceMesh._concatenate([dp_mesh, self.mesh])
         return mesh, (*dp_placements, *self.placements), self.shape, self.stride

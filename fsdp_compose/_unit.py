@@ -40,6 +40,7 @@ class Unit:
         self.shard_numel = sum(self.sizes)  # this rank's padded shards, together
         self.is_complex = False  # whether the collectives send real pairs
         self.mixed_dtypes = False  # whether the parameters gather in different dtypes
+        self.all_dim0 = all(p.layout.dim == 0 for p in params)  # see shard_placement_fn
         # Extension points (FSDPModule setters): a user's all-gather, per-parameter codecs.
         self.custom_all_gather: CustomComm | None = None
         self.codecs: dict[ShardedParam, AllGatherCodec] = {}

@@ -1,0 +1,159 @@
+"""shard_placement_fn: parameters sharded on a dim other than 0 (Shard(1), Shard(-1), the
+largest dim) train as with torch's fully_shard, bit for bit, and as single-process training;
+their shards, gradients, state dicts and checkpoints carry the placement; what torch refuses
+is refused here too, naming the parameter, before anything changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from fsdp_compose import clip_grad_norm_, fully_shard
+from tests.dist.parity import (
+    backward, full, max_diff_to, optimizer_step, three_models, train_and_compare,
+)
+from tests.models import MLP, Transformer, lm_loss, mse_loss, token_batch
+
+
+def shard_dim_1(param: nn.Parameter) -> Shard | None:
+    return Shard(1) if param.ndim > 1 else None
+
+
+def shard_last(param: nn.Parameter) -> Shard:
+    return Shard(-1)
+
+
+def shard_largest(param: nn.Parameter) -> Shard:
+    """torch's own test's rule: the largest dim (the first of equals)."""
+    return Shard(max(range(param.ndim), key=lambda d: (param.shape[d], -d)))
+
+
+PLACEMENT_FNS = {"dim 1": shard_dim_1, "last dim": shard_last, "largest dim": shard_largest}
+
+
+def check_parity(name: str) -> tuple[float, float, dict[str, tuple[str, str]]]:
+    fn = PLACEMENT_FNS[name]
+    errors = train_and_compare(Transformer, lm_loss, token_batch, shard_placement_fn=fn)
+    _, ours, theirs = three_models(Transformer, shard_placement_fn=fn)
+    theirs_params = dict(theirs.named_parameters())
+    placements = {
+        fqn: (str(p.placements), str(theirs_params[fqn].placements))
+        for fqn, p in ours.named_parameters()
+        if p.to_local().shape != theirs_params[fqn].to_local().shape
+        or p.placements != theirs_params[fqn].placements
+    }
+    return errors.vs_reference, errors.vs_torch, placements
+
+
+@pytest.mark.parametrize("name", list(PLACEMENT_FNS))
+def test_trains_like_torch_fully_shard(ranks, name):
+    for vs_reference, vs_torch, differing in ranks.run(check_parity, name=name, world_size=2):
+        assert vs_torch == 0.0, name
+        assert vs_reference < 1e-4, name
+        assert differing == {}, differing  # same placements and local shapes as torch's
+
+
+def check_shards_sit_on_the_dim() -> dict[str, tuple[int, tuple[int, ...]]]:
+    _, ours, _ = three_models(Transformer, shard_placement_fn=shard_dim_1)
+    return {
+        fqn: (p.placements[0].dim, tuple(p.to_local().shape))
+        for fqn, p in ours.named_parameters()
+        if fqn in ("blocks.0.fc2.weight", "blocks.0.norm1.weight")
+    }
+
+
+def test_shard_and_its_local_shape(ranks):
+    for shards in ranks.run(check_shards_sit_on_the_dim, world_size=2):
+        # fc2 is Linear(36, 12): weight (12, 36), each rank holds 18 of its 36 columns.
+        assert shards["blocks.0.fc2.weight"] == (1, (12, 18))
+        assert shards["blocks.0.norm1.weight"] == (0, (6,))
+
+
+def check_checkpoint_reshards(path: str) -> tuple[float, float]:
+    """Saved sharded on dim 1, loaded into a model sharded on dim 0 (DCP reshards), and the
+    other way round; then one more step of each agrees with torch's on the same loads."""
+    _, on_dim_1, _ = three_models(Transformer, shard_placement_fn=shard_dim_1)
+    _, on_dim_0, _ = three_models(Transformer)
+    with torch.no_grad():
+        for p in on_dim_1.parameters():
+            p.mul_(1.5)  # different values from the fresh models it is loaded into
+    dcp.save(on_dim_1.state_dict(), checkpoint_id=path)
+    state = on_dim_0.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    on_dim_0.load_state_dict(state)
+    loaded = max_diff_to(on_dim_0, on_dim_1)
+    backward([on_dim_1, on_dim_0], token_batch(0, 4), lm_loss, share=lambda b: b)
+    return loaded, max_diff_to(on_dim_0, on_dim_1, grads=True)
+
+
+def test_checkpoint_reshards_between_dims(ranks, tmp_path):
+    for loaded, grads in ranks.run(check_checkpoint_reshards, path=str(tmp_path), world_size=2):
+        assert loaded == 0.0
+        assert grads < 1e-6
+
+
+def check_clip_like_torch() -> tuple[float, float]:
+    models = three_models(Transformer, shard_placement_fn=shard_dim_1)
+    backward(models, token_batch(0, 4), lm_loss)
+    _, ours, theirs = models
+    norm = clip_grad_norm_(ours.parameters(), max_norm=0.1)
+    their_norm = torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm=0.1)
+    optimizer_step([torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)])
+    return abs(full(norm).item() - full(their_norm).item()), max_diff_to(ours, theirs)
+
+
+def test_clip_grad_norm_like_torch(ranks):
+    for norm_diff, params_diff in ranks.run(check_clip_like_torch, world_size=2):
+        assert norm_diff == 0.0 and params_diff == 0.0
+
+
+def check_refusals() -> list[tuple[str, str, bool]]:
+    """What torch's fully_shard refuses, refused before any change: each case's error type,
+    message, and whether the model's parameters are still the original tensors."""
+    cases = {
+        "uneven dim 1": shard_last,  # MLP: Linear(7, 5).weight is (5, 7), 7 columns on 2 ranks
+        "out of range": lambda p: Shard(2),
+        "not a Shard": lambda p: "dim 1",
+    }
+    outcomes = []
+    for fn in cases.values():
+        model = MLP()
+        before = [id(p) for p in model.parameters()]
+        with pytest.raises((ValueError, NotImplementedError)) as raised:
+            fully_shard(model.layers[1], shard_placement_fn=fn)
+        unchanged = before == [id(p) for p in model.parameters()]
+        outcomes.append((raised.type.__name__, str(raised.value), unchanged))
+    return outcomes
+
+
+def test_refused_like_torch_naming_the_parameter(ranks):
+    uneven, out_of_range, not_a_shard = ranks.run(check_refusals, world_size=2)[0]
+    assert uneven[0] == "NotImplementedError" and "'weight'" in uneven[1]
+    assert "on dim 1 does not split evenly over 2" in uneven[1]
+    assert out_of_range[0] == "ValueError" and "Shard(2), out of range" in out_of_range[1]
+    assert not_a_shard[0] == "ValueError" and "returned 'dim 1'" in not_a_shard[1]
+    assert uneven[2] and out_of_range[2] and not_a_shard[2]
+
+
+def check_post_forward_group() -> tuple[float, float]:
+    """reshard_after_forward=2 at 4 ranks keeps dim-1 pieces between forward and backward.
+    (torch 2.13's fully_shard fails on this case in its copy-out, so the second model is
+    ours resharding fully: the same arithmetic.)"""
+    def fully_resharded(module: nn.Module, **kwargs: object) -> object:
+        return fully_shard(module, **{**kwargs, "reshard_after_forward": True})
+
+    errors = train_and_compare(
+        Transformer, lm_loss, token_batch, reshard_after_forward=2,
+        shard_placement_fn=shard_largest, shard_fns=(fully_shard, fully_resharded),
+    )
+    return errors.vs_reference, errors.vs_torch
+
+
+def test_reshard_after_forward_to_a_smaller_group(ranks):
+    for vs_reference, vs_full_reshard in ranks.run(check_post_forward_group, world_size=4):
+        assert vs_full_reshard == 0.0
+        assert vs_reference < 1e-4
