@@ -7,6 +7,7 @@ from ._codec import AllGatherCodec, Int8RowCodec
 from ._fsdp_module import FSDPModule, GradientReductionHandle, UnshardHandle
 from ._fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from ._init import materialize
+from ._meshes import DataParallelMeshDims
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._replicate import replicate
 from ._wrap import WrapPolicy, wrap
@@ -14,6 +15,7 @@ from ._wrap import WrapPolicy, wrap
 __all__ = [
     "AllGatherCodec",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "GradientReductionHandle",
     "Int8RowCodec",

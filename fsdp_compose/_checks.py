@@ -12,7 +12,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ._extension import check_carried
 from ._hooks import state_of
+from ._meshes import SpmdDims, UnitMesh, dim_names
 from ._param import REPLACED_MARK
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 
@@ -91,14 +93,60 @@ def check_options(
             f"fully_shard({name}): shard_placement_fn must be a callable (param) -> Shard | "
             f"ShardPlacementResult | None, got {type(shard_placement_fn).__name__}"
         )
-    if dp_mesh_dims is not None:
+
+
+def check_dp_mesh_dims(
+    name: str, mesh: DeviceMesh, dims: object, reshard_after_forward: object
+) -> None:
+    """dp_mesh_dims names data-parallel dims of `mesh`, one name each (see _meshes.py)."""
+    where = f"fully_shard({name}): dp_mesh_dims"
+    if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
+        raise TypeError(f"{where} must be a DataParallelMeshDims, got {type(dims).__name__}")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(f"{where}: mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    shard, replicate = dim_names(dims.shard), dim_names(dims.replicate)
+    for n in (*shard, *replicate):
+        if n not in names:
+            raise ValueError(f"{where}: Mesh dim name {n!r} not found in mesh.mesh_dim_names {names}")
+    if len(shard) > 1 or len(replicate) > 1:
         raise NotImplementedError(
-            f"fully_shard({name}): dp_mesh_dims (multi-dimensional meshes) is not supported "
-            "yet; pass a 1-D mesh."
+            f"{where}: {dims}: several mesh dims flattened into one data-parallel dim are not "
+            "supported yet; name one mesh dim each for shard and replicate (flatten them "
+            "into one named dim of the mesh you build)."
+        )
+    if set(shard) & set(replicate):
+        raise ValueError(f"{where}: {dims} names the same mesh dim to shard and to replicate.")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"{where}: reshard_after_forward as int is not yet supported with SPMD mesh "
+            "(dp_mesh_dims), as in torch's fully_shard; pass a bool."
         )
 
 
-def check_mesh(name: str, mesh: object) -> None:
+def check_spmd_param(name: str, fqn: str, param: nn.Parameter, spmd: SpmdDims) -> None:
+    """With dp_mesh_dims every parameter is a DTensor on the full mesh, replicated over
+    the data-parallel dims (torch's fully_shard requires the same)."""
+    where = f"fully_shard({name}): parameter {fqn!r}"
+    if not isinstance(param, DTensor):
+        raise ValueError(
+            f"{where}: When dp_mesh_dims is provided, all parameters must be DTensors on the "
+            "full SPMD mesh (e.g. via distribute_module). Got a plain tensor."
+        )
+    if param.device_mesh != spmd.mesh:
+        raise ValueError(
+            f"{where} is a DTensor on {param.device_mesh}; with dp_mesh_dims it must be on "
+            f"the same mesh passed to fully_shard, {spmd.mesh}."
+        )
+    for i in spmd.data_parallel:
+        if not param.placements[i].is_replicate():
+            raise ValueError(
+                f"{where}: Expected Replicate() on data-parallel mesh dim "
+                f"{spmd.mesh.mesh_dim_names[i]!r} (index {i}) but got {param.placements[i]}."  # type: ignore[index]
+            )
+
+
+def check_mesh(name: str, mesh: object, spmd: bool = False) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard({name}): mesh must be a DeviceMesh, got {type(mesh).__name__}")
     device_type = mesh.device_type
@@ -108,10 +156,11 @@ def check_mesh(name: str, mesh: object) -> None:
             f"torch build or machine does not have (torch.{device_type}.is_available() is "
             "False). Build the mesh on \"cpu\" (gloo), or run where that device is present."
         )
-    if mesh.ndim not in (1, 2):
+    if mesh.ndim not in (1, 2) and not spmd:
         raise ValueError(
             f"fully_shard({name}): the mesh has {mesh.ndim} dimensions; pass a 1-D mesh "
-            "(full sharding) or a 2-D (replicate, shard) mesh (HSDP), e.g. mesh['dp']."
+            "(full sharding) or a 2-D (replicate, shard) mesh (HSDP), e.g. mesh['dp'], or "
+            "name its data-parallel dims with dp_mesh_dims."
         )
 
 
@@ -163,26 +212,24 @@ def check_tensor_parallel(name: str, fqn: str, param: DTensor, mesh: DeviceMesh)
         )
 
 
-def check_params(
-    name: str,
-    collected: Collected,
-    device: torch.device,
-    mesh: DeviceMesh,
-) -> None:
+def check_params(name: str, collected: Collected, device: torch.device, mesh: UnitMesh) -> None:
     for fqn, param, _ in collected:
-        if isinstance(param, DTensor):
+        if mesh.spmd is not None:
+            check_spmd_param(name, fqn, param, mesh.spmd)
+        elif isinstance(param, DTensor):
             if getattr(param, SHARDED_MARK, False):
                 raise ValueError(
                     f"fully_shard({name}): parameter {fqn!r} is already sharded by fully_shard "
                     "on an enclosing module. Annotate bottom-up: inner modules first, then "
                     "the modules that contain them."
                 )
-            check_tensor_parallel(name, fqn, param, mesh)
+            check_tensor_parallel(name, fqn, param, mesh.mesh)
         if param.ndim == 0:
             raise ValueError(
                 f"fully_shard({name}): parameter {fqn!r} is a scalar and cannot be sharded on "
                 "dim 0. Give it shape (1,), or pass it in ignored_params to keep it whole."
             )
+        check_carried(f"fully_shard({name}): parameter {fqn!r}", param)
         if param.device.type not in (device.type, "cpu", "meta"):
             raise ValueError(
                 f"fully_shard({name}): parameter {fqn!r} is on {param.device} but the mesh is "

@@ -49,12 +49,16 @@ class Int8RowCodec:
 def encode_shards(
     params: list[ShardedParam], codecs: dict[ShardedParam, AllGatherCodec], device: torch.device,
 ) -> tuple[torch.Tensor, list[int]]:
-    """The bytes a rank sends when some of a unit's parameters have codecs or the unit's
-    parameters gather in different dtypes, and each parameter's share of them: its encoding
-    (or its shard in its param_dtype), padded to 8 bytes so that every piece of the
-    gathered rows can be viewed in any dtype again."""
+    """The bytes a rank sends when some of a unit's parameters have codecs or all-gather
+    hooks or the unit's parameters gather in different dtypes, and each parameter's share of
+    them: its encoding (or its shard in its param_dtype), padded to 8 bytes so that every
+    piece of the gathered rows can be viewed in any dtype again."""
     pieces = []
     for p in params:
+        if p.extension is not None:  # the hooks choose: see _extension.py
+            local = p.local if p.local.device == device else p.local.to(device, non_blocking=True)
+            pieces.append(p.extension.encode(local))
+            continue
         shard = p.padded_shard.to(device, non_blocking=True)
         codec = codecs.get(p)
         if codec is None:
@@ -69,12 +73,19 @@ def encode_shards(
 def decode_rows(
     gathered: torch.Tensor, sizes: list[int], params: list[ShardedParam],
     codecs: dict[ShardedParam, AllGatherCodec], outs: list[torch.Tensor],
-) -> None:
+) -> bool:
     """Write each parameter's unsharded data into `outs` (its ShardedParam.gather_target)
     from the gathered bytes (row r: rank r's encode_shards). A codec decodes into rows,
     (ranks, padded shard numel): a target sharded on a dim other than 0 (strided, more
-    than 2-D) takes them afterwards."""
+    than 2-D) takes them afterwards. A parameter with all-gather hooks builds its own;
+    returns whether one built a new unsharded parameter (the first time)."""
+    built = False
     for out, p, data in zip(outs, params, torch.split(gathered, sizes, dim=1)):
+        if p.extension is not None:
+            new = p.extension.decode(data, p.local, p.param_dtype, p.sharded.requires_grad)
+            if new is not None:
+                p.unsharded, built = new, True
+            continue
         rows = out if out.dim() == 2 else out.new_empty(out.shape[0], p.layout.padded_shard_numel)
         codec = codecs.get(p)
         if codec is None:
@@ -83,3 +94,4 @@ def decode_rows(
             codec.decode(data, rows, p.layout.padded_rows, p.layout.row_numel)
         if rows is not out:
             out.copy_(rows.view(out.shape))
+    return built

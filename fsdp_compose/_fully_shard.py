@@ -10,13 +10,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._checks import (
-    SHARDED_MARK, Collected, check_mesh, check_modules, check_options, check_params,
+    SHARDED_MARK, Collected, check_dp_mesh_dims, check_mesh, check_modules, check_options, check_params,
     check_reshard_after_forward, collect_params, mark_replaced,
 )
 from ._fsdp_module import FSDPModule
 from ._hooks import UnitState
 from ._init import move_buffers, sync_from_first_rank, unit_buffers
-from ._meshes import UnitMesh, default_mesh, unit_mesh
+from ._meshes import DataParallelMeshDims, UnitMesh, default_mesh, unit_mesh
 from ._param import ShardedParam
 from ._placement import ShardPlacementFn, shard_dims
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -43,7 +43,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
     sync_module_states: bool = ...,
 ) -> FSDPModule: ...
 @overload
@@ -56,7 +56,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
     sync_module_states: bool = ...,
 ) -> list[FSDPModule]: ...
 
@@ -70,7 +70,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
-    dp_mesh_dims: Any = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
     sync_module_states: bool = False,
 ) -> FSDPModule | list[FSDPModule]:
     """Shard `module`'s parameters over `mesh`; gather them only while it computes.
@@ -106,13 +106,15 @@ def fully_shard(
     check_options(name, reshard_after_forward, shard_placement_fn, mp_policy,
                    offload_policy, dp_mesh_dims)
     mesh = mesh if mesh is not None else default_mesh(name)
-    check_mesh(name, mesh)
+    check_mesh(name, mesh, spmd=dp_mesh_dims is not None)
+    if dp_mesh_dims is not None:
+        check_dp_mesh_dims(name, mesh, dp_mesh_dims, reshard_after_forward)
     check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", mesh.size(-1))
-    resolved = unit_mesh(mesh, reshard_after_forward)
+    resolved = unit_mesh(mesh, reshard_after_forward, dp_mesh_dims)
     device = resolved.device
     collected = collect_params(modules, name, set(ignored_params or ()))
     collected, borrowed = _split_tied(name, collected, resolved, mp_policy)
-    check_params(name, collected, device, mesh)
+    check_params(name, collected, device, resolved)
     # May raise: before anything changes.
     dims = shard_dims(name, [(fqn, p) for fqn, p, _ in collected], shard_placement_fn, resolved)
     policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]

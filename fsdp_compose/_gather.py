@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._buffer import ReusedBuffer
 from ._codec import AllGatherCodec, decode_rows, encode_shards
 from ._collectives import CustomComm, all_gather, allocate, collective_failed
+from ._extension import GatherExtension, has_extension
+from ._meshes import shard_mesh
 from ._param import Registration, ShardedParam
 from ._streams import SideStreams
 
@@ -23,6 +25,7 @@ class GatheredUnit(Protocol):
 
     params: list[ShardedParam]
     label: str
+    mesh: DeviceMesh
     device: torch.device
     streams: SideStreams | None
     group: ProcessGroup
@@ -80,6 +83,7 @@ class Gatherer:
         self._targets: list[torch.Tensor] = []
         self._targets_are_rows = True  # all 2-D (every parameter sharded on dim 0)
         self._registrations: list[_OwnerForms] = []  # see lay_out
+        self._extended: list[ShardedParam] = []  # with all-gather hooks: see _extension.py
         self._buffer = ReusedBuffer()  # unless a custom all-gather allocates
         self._pending: _Gather | None = None
         self._post_forward_group: ProcessGroup | None = None
@@ -88,6 +92,8 @@ class Gatherer:
     def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
         """Reshard after forward to dim 1 of `mesh` (a smaller group), or fully if None."""
         self.reshard()
+        if mesh is not None:
+            self._check_extended()
         if mesh is None:
             self._post_forward_group, size, index = None, None, 0
         else:
@@ -143,7 +149,7 @@ class Gatherer:
         encoded, spec = False, None
         if inputs is not None:
             shards = torch.cat(inputs)
-        elif unit.codecs or unit.mixed_dtypes:  # sent as bytes: see encode_shards
+        elif unit.codecs or unit.mixed_dtypes or self._extended:  # bytes: see encode_shards
             shards, sizes = encode_shards(self.params, unit.codecs, unit.device)
             encoded = True
         else:
@@ -174,13 +180,17 @@ class Gatherer:
         unit, params = self._unit, self.params
         if (problem := unit.meta_problem()) is not None:
             raise RuntimeError(problem)
-        self._flat, self._flat_needs_cast, self._spec = _flat_shards(params, unit.shard_numel), False, None
+        self._find_extensions()
+        self._flat, self._flat_needs_cast, self._spec = None, False, None
+        if not self._extended:
+            self._flat = _flat_shards(params, unit.shard_numel)
         rows, dtype, device = unit.shard_size, unit.param_dtype, unit.device
         if self._flat is not None:
             self._flat_needs_cast = self._flat.dtype != dtype or self._flat.device != device
             self._spec = ((rows, unit.shard_numel), dtype, device)
         unit.layout_changed()
-        buffers = _unsharded_buffers(params, rows, unit.sizes, dtype, device)
+        plain = [p for p in params if p.extension is None]
+        buffers = _unsharded_buffers(plain, rows, unit.sizes, dtype, device) if plain else []
         # Freed by resizing to 0 rather than dropped: autograd may have saved the unsharded
         # parameters, and what it saved must see the data of the next all-gather.
         self._unsharded_storages = [(b.untyped_storage(), b.nbytes) for b in buffers]
@@ -193,6 +203,29 @@ class Gatherer:
         # method call per parameter costs more than the work), while this layout holds.
         self._registrations = _forms_by_owner(r for p in params for r in p.registrations())
         self.laid_out = True
+
+    def _find_extensions(self) -> None:
+        """Give each parameter whose local shard has all-gather hooks its GatherExtension
+        (kept while the shard is the same), and no other parameter one."""
+        unit = self._unit
+        for p in self.params:
+            if not has_extension(p.local, f"fsdp_compose: parameter {p.fqn!r}"):
+                p.extension = None
+            elif p.extension is None:
+                p.extension = GatherExtension(
+                    p.fqn, p.owners[0][0], shard_mesh(unit.mesh), p.shape, p.mp_policy
+                )
+        self._extended = [p for p in self.params if p.extension is not None]
+        if self._post_forward_group is not None:
+            self._check_extended()
+
+    def _check_extended(self) -> None:
+        if self._extended:
+            raise NotImplementedError(
+                f"fsdp_compose: unit {self._unit.label}: parameter {self._extended[0].fqn!r} "
+                "has all-gather hooks (fsdp_pre_all_gather), which reshard_after_forward=<int> "
+                "cannot keep a piece of (torch's fully_shard refuses this too); pass a bool."
+            )
 
     def _flat_shard(self) -> torch.Tensor:
         """Every parameter's padded shard, back to back, in param_dtype (mixed precision
@@ -225,7 +258,10 @@ class Gatherer:
         else:
             targets, rows = self._targets, self._targets_are_rows
         if gather.encoded:
-            decode_rows(gather.gathered, gather.sizes, self.params, unit.codecs, targets)
+            if decode_rows(gather.gathered, gather.sizes, self.params, unit.codecs, targets):
+                self._registrations = _forms_by_owner(  # a hook built an unsharded parameter
+                    r for p in self.params for r in p.registrations()
+                )
         elif rows:
             torch.split_with_sizes_copy(gather.gathered, gather.sizes, dim=1, out=targets)
         else:  # some parameter is sharded on another dim: its target is strided
@@ -267,6 +303,9 @@ class Gatherer:
             for storage, _ in self._unsharded_storages:
                 storage.resize_(0)
             self._storage_allocated = False
+            for p in self._extended:
+                assert p.extension is not None
+                p.extension.free()
         self._post_forward_kept = keep
         self.is_unsharded = False
 

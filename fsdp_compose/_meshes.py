@@ -4,6 +4,7 @@ replicate() and reshard_after_forward=<int>; separate reduce-scatter groups."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
@@ -17,6 +18,31 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which named dims of a full SPMD mesh (e.g. ("dp_replicate", "dp_shard", "tp")) are
+    data-parallel: `shard` shards parameters, `replicate` replicates them (both: HSDP;
+    `replicate` alone: DDP-like). torch's class of the same name is accepted too."""
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "At least one of shard or replicate must be set in DataParallelMeshDims"
+            )
+
+
+class SpmdDims(NamedTuple):
+    """The full SPMD mesh a unit's parameters are DTensors on (dp_mesh_dims), and the
+    indices of its data-parallel dims."""
+
+    mesh: DeviceMesh
+    shard: int | None  # the dim that shards, if any
+    data_parallel: tuple[int, ...]  # every data-parallel dim (shard and replicate)
 
 
 class UnitMesh(NamedTuple):
@@ -35,10 +61,16 @@ class UnitMesh(NamedTuple):
     # int group size the smaller mesh whose dim 1 the unit reshards to after forward.
     reshard_after_forward: bool | None
     post_forward_mesh: DeviceMesh | None
+    spmd: SpmdDims | None = None  # with dp_mesh_dims: the full mesh; `mesh` is its dp part
 
 
-def unit_mesh(mesh: DeviceMesh, reshard_after_forward: bool | int | None) -> UnitMesh:
-    """Resolve a checked mesh and reshard_after_forward for one unit."""
+def unit_mesh(
+    mesh: DeviceMesh, reshard_after_forward: bool | int | None, dp_mesh_dims: Any = None,
+) -> UnitMesh:
+    """Resolve a checked mesh, reshard_after_forward and dp_mesh_dims for one unit."""
+    if dp_mesh_dims is not None:
+        dp_mesh, spmd = _data_parallel_part(mesh, dp_mesh_dims)
+        return unit_mesh(dp_mesh, reshard_after_forward)._replace(spmd=spmd)
     hsdp = mesh.ndim == 2
     reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh)
     return UnitMesh(
@@ -53,6 +85,57 @@ def unit_mesh(mesh: DeviceMesh, reshard_after_forward: bool | int | None) -> Uni
         reshard_after_forward=reshard,
         post_forward_mesh=post_forward,
     )
+
+
+def dim_names(names: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """A DataParallelMeshDims field as a tuple of names."""
+    return () if names is None else (names,) if isinstance(names, str) else tuple(names)
+
+
+def _data_parallel_part(mesh: DeviceMesh, dims: Any) -> tuple[DeviceMesh, SpmdDims]:
+    """The data-parallel mesh a unit gathers and reduces over, as a 1-D (shard) or 2-D
+    (replicate, shard) mesh (replicate alone: shard groups of one rank), and where its
+    dims sit in the full mesh. Names are checked (check_dp_mesh_dims)."""
+    names = mesh.mesh_dim_names
+    assert names is not None
+    shard = next(iter(dim_names(dims.shard)), None)
+    replicate = next(iter(dim_names(dims.replicate)), None)
+    if shard is None:
+        assert replicate is not None
+        dp_mesh = _replicate_only(mesh, replicate)
+    elif replicate is None:
+        dp_mesh = mesh[shard]
+    else:
+        dp_mesh = DeviceMesh._concatenate([mesh[replicate], mesh[shard]])
+    indices = tuple(names.index(n) for n in (replicate, shard) if n is not None)
+    return dp_mesh, SpmdDims(mesh, None if shard is None else names.index(shard), indices)
+
+
+def _replicate_only(mesh: DeviceMesh, replicate: str) -> DeviceMesh:
+    """A (replicate, 1) mesh over `mesh`'s dim `replicate`: HSDP whose shard groups are one
+    rank. Built from the whole mesh, which every rank passes alike (a DeviceMesh of one
+    submesh would have ranks outside it create other groups: Note [derived meshes])."""
+    def make() -> DeviceMesh:
+        names = mesh.mesh_dim_names
+        assert names is not None
+        others = tuple(f"{n}.other" for n in names if n != replicate)
+        ranks = mesh.mesh.movedim(names.index(replicate), -1).unsqueeze(-1)
+        whole = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*others, "replicate", "shard"))
+        return whole["replicate", "shard"]
+
+    return _in_this_world(("replicate only", mesh, replicate), make)
+
+
+def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh of `mesh`'s last (shard) dim, as torch's fully_shard hands it to
+    all-gather extensions."""
+    if mesh.ndim == 1:
+        return mesh
+    if mesh.mesh_dim_names is not None:
+        return mesh[mesh.mesh_dim_names[-1]]
+    return _in_this_world(("shard", mesh), lambda: DeviceMesh.from_group(
+        mesh.get_group(mesh.ndim - 1), mesh.device_type
+    ))
 
 
 def default_mesh(name: str) -> DeviceMesh:

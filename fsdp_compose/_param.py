@@ -9,7 +9,9 @@ import torch
 from torch import nn
 from torch.torch_version import TorchVersion
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ._extension import GatherExtension, carry_hooks
 from ._meshes import UnitMesh
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ._sharding import ShardLayout, contiguous_stride, shard_layout
@@ -66,7 +68,7 @@ class ShardedParam:
         self.owners = owners  # every (module, attribute) the parameter is registered as
         # The first owner's _parameters and attribute: where adopt_registered looks.
         self._home = (owners[0][0]._parameters, owners[0][1])
-        self._mp_policy = mp_policy
+        self.mp_policy = mp_policy
         device = self._device = mesh.device  # where the unit computes
         # With CPU offload the shard (and so the optimizer step) lives in CPU memory.
         self._shard_device = torch.device("cpu") if offload is not None else device
@@ -75,7 +77,7 @@ class ShardedParam:
         )
         shard_size, rank = mesh.shard_size, mesh.shard_rank
         # A tensor-parallel DTensor: we shard its local tensor (Note [tensor parallel]).
-        self._tp = TensorParallel.of(param) if isinstance(param, DTensor) else None
+        self._tp = TensorParallel.of(param, mesh.spmd) if isinstance(param, DTensor) else None
         whole = self._tp.local(param) if self._tp is not None else param.detach()  # type: ignore[arg-type]  # a DTensor when _tp is set
         self.layout: ShardLayout = shard_layout(whole.shape, shard_size, dim)
         self._local_shape = self.layout.local_shape(rank)
@@ -91,6 +93,8 @@ class ShardedParam:
         # rows this rank keeps of it, and (between forward and backward) the kept piece.
         self._post_forward: tuple[ShardLayout, range] | None = None
         self.post_forward_shard: torch.Tensor | None = None
+        # Set by the unit while the local shard has all-gather hooks (see _extension.py).
+        self.extension: GatherExtension | None = None
         self.sharded: nn.Parameter = None  # type: ignore[assignment]  # set by _store_shard
         self._store_shard(self._mine(whole), param.requires_grad)
 
@@ -105,12 +109,16 @@ class ShardedParam:
         build the sharded parameter on it (as the object `keep`, if given, so optimizers
         and modules holding it see the new data), and size the unsharded buffers to match.
         A meta `local` stays on meta until `materialize`."""
+        self.extension = None  # a new local shard: the unit looks for hooks again
         on_meta = local.is_meta
-        self.padded_shard = torch.zeros(
-            self.layout.padded_shard_numel, dtype=local.dtype,
-            device=local.device if on_meta else self._shard_device,
-            pin_memory=self._pin_memory and not on_meta,
-        )
+        if on_meta or not is_traceable_wrapper_subclass(local):
+            self.padded_shard = torch.zeros(
+                self.layout.padded_shard_numel, dtype=local.dtype,
+                device=local.device if on_meta else self._shard_device,
+                pin_memory=self._pin_memory and not on_meta,
+            )
+        else:  # a tensor subclass (with all-gather hooks: checked) keeps its class
+            self.padded_shard = local.new_zeros(self.layout.padded_shard_numel)
         self._local = self.padded_shard[: self._local_shape.numel()].view(self._local_shape)
         if not on_meta:
             self._local.copy_(local)
@@ -120,8 +128,9 @@ class ShardedParam:
             sharded = keep
         self.sharded = sharded
         self._local = _local_of(sharded)  # a detached alias of the view: Parameter() detaches
-        self.param_dtype = self._mp_policy.param_dtype or local.dtype
-        self.reduce_dtype = self._mp_policy.reduce_dtype or (
+        carry_hooks(local, self._local)
+        self.param_dtype = self.mp_policy.param_dtype or local.dtype
+        self.reduce_dtype = self.mp_policy.reduce_dtype or (
             local.dtype if _REDUCE_IN_OWN_DTYPE else self.param_dtype
         )
         self._allocate_unsharded_buffer(local.device if on_meta else self._device)
@@ -132,7 +141,8 @@ class ShardedParam:
         flat_piece.copy_(self.padded_shard)
         self.padded_shard = flat_piece
         # Same dtype, device and spec: only the local tensor changes (see _give_data).
-        self._local = flat_piece[: self._local_shape.numel()].view(self._local_shape)
+        local, self._local = self._local, flat_piece[: self._local_shape.numel()].view(self._local_shape)
+        carry_hooks(local, self._local)
         self.sharded._local_tensor = self._local  # type: ignore[attr-defined]
 
     def _allocate_unsharded_buffer(self, device: torch.device) -> None:
@@ -172,6 +182,11 @@ class ShardedParam:
     @property
     def is_tensor_parallel(self) -> bool:
         return self._tp is not None
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The sharded parameter's local tensor: the unpadded shard."""
+        return self._local
 
     @property
     def is_meta(self) -> bool:

@@ -9,7 +9,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
+
+from ._meshes import SpmdDims
 
 # Note [tensor parallel]: a parameter that tensor parallelism made a DTensor on a TP mesh
 # is sharded here as its local tensor: rows of the TP-local tensor over the data-parallel
@@ -24,15 +26,26 @@ class TensorParallel(NamedTuple):
     placements: tuple[Placement, ...]
     shape: torch.Size
     stride: tuple[int, ...]
+    # With dp_mesh_dims: `mesh` is the full SPMD mesh, whose data-parallel dims we shard
+    # and reduce over (the parameter is replicated there).
+    spmd: SpmdDims | None = None
 
     @classmethod
-    def of(cls, param: DTensor) -> TensorParallel:
-        return cls(param.device_mesh, tuple(param.placements), param.shape, param.stride())
+    def of(cls, param: DTensor, spmd: SpmdDims | None = None) -> TensorParallel:
+        return cls(param.device_mesh, tuple(param.placements), param.shape, param.stride(), spmd)
 
     def local(self, tensor: DTensor) -> torch.Tensor:
-        """The local tensor of `tensor` in our placements (a gradient may come Partial)."""
-        if tuple(tensor.placements) != self.placements:
-            tensor = tensor.redistribute(self.mesh, self.placements)
+        """The local tensor of `tensor` in our placements (a gradient may come Partial). On
+        an SPMD mesh the data-parallel dims stay as they come: a partial sum there is what
+        the reduction sums."""
+        target = self.placements
+        if self.spmd is not None:
+            dp = self.spmd.data_parallel
+            target = tuple(
+                tensor.placements[i] if i in dp else p for i, p in enumerate(self.placements)
+            )
+        if tuple(tensor.placements) != target:
+            tensor = tensor.redistribute(self.mesh, target)
         return tensor.to_local().detach()
 
     def slice(self, whole: torch.Tensor) -> torch.Tensor:
@@ -53,6 +66,8 @@ class TensorParallel(NamedTuple):
     ) -> tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]:
         """The sharded parameter's DTensor spec when the data-parallel mesh shards the
         TP-local tensor on `dim`."""
+        if self.spmd is not None:
+            return self._spmd_sharded_spec(dim)
         tp_shards = 1
         for size, placement in zip(self.mesh.shape, self.placements):
             if placement.is_shard(dim):
@@ -61,3 +76,19 @@ class TensorParallel(NamedTuple):
             dp_placements = (*dp_placements[:-1], _StridedShard(dim, split_factor=tp_shards))
         mesh = DeviceMesh._concatenate([dp_mesh, self.mesh])
         return mesh, (*dp_placements, *self.placements), self.shape, self.stride
+
+    def _spmd_sharded_spec(
+        self, dim: int
+    ) -> tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]:
+        """On the full SPMD mesh: the shard dim's Replicate becomes Shard(dim), or
+        _StridedShard(dim) when mesh dims after it also shard `dim` (it holds slices of
+        their shards), as torch's fully_shard writes it; every other dim is unchanged."""
+        assert self.spmd is not None
+        placements = list(self.placements)
+        if (index := self.spmd.shard) is not None:
+            split = 1
+            for j in range(index + 1, self.mesh.ndim):
+                if isinstance(placements[j], Shard) and placements[j].dim == dim:  # type: ignore[attr-defined]
+                    split *= self.mesh.size(j)
+            placements[index] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+        return self.mesh, tuple(placements), self.shape, self.stride

@@ -14,6 +14,7 @@ import torch
 
 from ._codec import AllGatherCodec
 from ._collectives import CustomComm
+from ._extension import PRE
 from ._gather import Gatherer
 from ._grad_ledger import GradLedger
 from ._meshes import UnitMesh
@@ -79,10 +80,13 @@ class Unit:
 
     def adopt_registered(self) -> None:
         """Take back parameters changed behind our back (see ShardedParam.adopt_registered)
-        and follow parameters frozen or unfrozen since. Parameters change between
+        and follow parameters frozen or unfrozen since, and all-gather hooks attached to or
+        removed from a local shard (see _extension.py). Parameters change between
         iterations: forward calls this once per iteration, not at every gather."""
         for p in self.params:
             if p.adopt_registered(self.fqn_prefix):
+                self.shards_replaced()
+            elif hasattr(p.local, PRE) is (p.extension is None):  # hooks attached or removed
                 self.shards_replaced()
 
     def meta_problem(self) -> str | None:
