@@ -15,6 +15,7 @@ from ._collectives import CustomComm
 from ._hooks import UnitState, state_of
 from ._meshes import resolve_reshard_after_forward, separate_group
 from ._root import STATE_ATTR
+from ._multi_mesh import AnyUnit
 from ._unit import Unit
 
 
@@ -80,7 +81,8 @@ class FSDPModule:
         pointers then stay the same across reshard and unshard, as CUDA graph capture
         needs), at the cost of the memory resharding frees. torch 2.15's method."""
         for state in self._states(recurse):
-            state.unit.gatherer.keep_unsharded_storage = keep
+            for part in state.unit.parts:
+                part.gatherer.keep_unsharded_storage = keep
 
     def reset_iter_state(self) -> None:
         """Forget the current iteration (e.g. after an exception): every unit under the root
@@ -143,7 +145,8 @@ class FSDPModule:
         backward that all-reduces across replicas (gradient accumulation with less
         communication). No effect on a 1-D mesh."""
         for state in self._states(recurse):
-            state.unit.reducer.requires_all_reduce = requires_all_reduce
+            for part in state.unit.parts:
+                part.reducer.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(
         self, reshard_after_forward: bool | int, recurse: bool = True
@@ -177,13 +180,13 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's summed gradients by `factor` instead of the mesh size."""
-        reducer = self._state().unit.reducer
-        reducer.set_reduction(factor, reducer.force_sum_reduction)
+        for part in self._state().unit.parts:
+            part.reducer.set_reduction(factor, part.reducer.force_sum_reduction)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with a plain SUM on the wire and divide locally afterwards."""
-        reducer = self._state().unit.reducer
-        reducer.set_reduction(reducer.gradient_divide_factor, enable)
+        for part in self._state().unit.parts:
+            part.reducer.set_reduction(part.reducer.gradient_divide_factor, enable)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Start gathering `modules`' units as soon as this unit is gathered in forward, so
@@ -237,7 +240,8 @@ class FSDPModule:
         multi-modal branches) still send the same reduce-scatter. Such parameters' `.grad`
         is then a tensor (the average, zeros where no rank used them), never None."""
         for state in self._states(recurse):
-            state.unit.reducer.reduce_scatter_unused_params = reduce_scatter_unused_params
+            for part in state.unit.parts:
+                part.reducer.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_post_optim_event(self, event: torch.Event | None) -> None:
         """The next forward's all-gathers wait for `event` (recorded after an optimizer step
@@ -255,13 +259,13 @@ class FSDPModule:
         """Gather this unit's parameters with `comm(output, input, group, async_op=False)`
         (returning a Work or None) instead of all_gather_single; `comm.allocate(size, *,
         dtype, device)`, if defined, allocates the output. torch's AllGather interface."""
-        self._state().unit.custom_all_gather = comm
+        self._one_mesh("set_custom_all_gather").custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: CustomComm) -> None:
         """Reduce this unit's gradients with `comm(output, input, group, op,
         async_op=False)` instead of reduce_scatter_single; `comm.allocate`, if defined,
         allocates input and output. torch's ReduceScatter interface."""
-        self._state().unit.reducer.custom_reduce_scatter = comm
+        self._one_mesh("set_custom_reduce_scatter").reducer.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call `hook(reduced)` on this unit's reduced gradients (the reduce-scatter output,
@@ -273,7 +277,7 @@ class FSDPModule:
                 f"{type(self).__name__}.set_all_reduce_hook: fsdp_compose reduces gradients on "
                 "the current stream and runs the hook there; pass stream=None."
             )
-        self._state().unit.reducer.all_reduce_hook = hook
+        self._one_mesh("set_all_reduce_hook").reducer.all_reduce_hook = hook
 
     def set_all_gather_codec(
         self, codec: AllGatherCodec | None, params: list[str] | None = None
@@ -290,18 +294,31 @@ class FSDPModule:
                 f"this unit; its parameters are {list(by_fqn)}."
             )
         for name in names:
+            part = next(part for part in unit.parts if by_fqn[name] in part.params)
             if codec is None:
-                unit.codecs.pop(by_fqn[name], None)
+                part.codecs.pop(by_fqn[name], None)
             else:
-                unit.codecs[by_fqn[name]] = codec
+                part.codecs[by_fqn[name]] = codec
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Reduce-scatter on a process group of its own (over the same ranks), so gradient
         reductions in flight do not queue behind prefetched all-gathers. Collective over
         each unit's shard ranks: call it on every rank alike."""
         for state in self._states(recurse):
-            unit = state.unit
-            unit.reducer.group = separate_group(unit.group) if enable else unit.group
+            for part in state.unit.parts:
+                part.reducer.group = separate_group(part.group) if enable else part.group
+
+    def _one_mesh(self, setter: str) -> Unit:
+        """The unit, when its parameters are on one mesh (torch refuses these setters too
+        when shard_placement_fn put some on another)."""
+        parts = self._state().unit.parts
+        if len(parts) > 1:
+            raise ValueError(
+                f"{type(self).__name__}.{setter} is not supported with parameters on several "
+                "meshes (from per-param mesh via shard_placement_fn); set it on a unit whose "
+                "parameters share one mesh."
+            )
+        return parts[0]
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         _not_yet(self, "allocating communication buffers from the process group (CUDA)")
@@ -333,7 +350,7 @@ class GradientReductionHandle:
 class UnshardHandle:
     """Returned by `FSDPModule.unshard(async_op=True)`: `wait()` finishes the unshard."""
 
-    def __init__(self, unit: Unit) -> None:
+    def __init__(self, unit: AnyUnit) -> None:
         self._unit = unit
 
     def wait(self) -> None:

@@ -18,7 +18,8 @@ from ._hooks import UnitState
 from ._init import move_buffers, sync_from_first_rank, unit_buffers
 from ._meshes import DataParallelMeshDims, UnitMesh, default_mesh, unit_mesh
 from ._param import ShardedParam
-from ._placement import ShardPlacementFn, shard_dims
+from ._multi_mesh import MultiMeshUnit
+from ._placement import ShardPlacementFn, shard_placements
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._root import STATE_ATTR
 from ._state_dict import install_state_dict_hooks
@@ -116,14 +117,17 @@ def fully_shard(
     collected, borrowed = _split_tied(name, collected, resolved, mp_policy)
     check_params(name, collected, device, resolved)
     # May raise: before anything changes.
-    dims = shard_dims(name, [(fqn, p) for fqn, p, _ in collected], shard_placement_fn, resolved)
+    placements = shard_placements(
+        name, [(fqn, p) for fqn, p, _ in collected], shard_placement_fn, resolved,
+        reshard_after_forward,
+    )
     policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]
 
     if sync_module_states:
         tensors = [p for _, p, _ in collected] + unit_buffers(modules)
         sync_from_first_rank(tensors, mesh, device)
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
-    _annotate(modules, name, collected, dims, policies, borrowed, resolved, mp_policy, offload)
+    _annotate(modules, name, collected, placements, policies, borrowed, resolved, mp_policy, offload)
     return module  # type: ignore[return-value]  # annotated in place: now FSDPModules
 
 
@@ -144,18 +148,18 @@ def _split_tied(
 
 
 def _annotate(
-    modules: list[nn.Module], name: str, collected: Collected, dims: list[int],
+    modules: list[nn.Module], name: str, collected: Collected,
+    placements: list[tuple[int, UnitMesh]],
     policies: list[MixedPrecisionPolicy], borrowed: list[Borrowed], resolved: UnitMesh,
     mp_policy: MixedPrecisionPolicy, offload: CPUOffloadPolicy | None,
 ) -> None:
     """Shard the checked parameters, build the unit, install its hooks, borrow the tied."""
     params = [
-        ShardedParam(fqn, p, owners, resolved, policy, offload, dim)
-        for (fqn, p, owners), dim, policy in zip(collected, dims, policies)
+        ShardedParam(fqn, p, owners, param_mesh, policy, offload, dim)
+        for (fqn, p, owners), (dim, param_mesh), policy in zip(collected, placements, policies)
     ]
     move_buffers(modules, resolved.device)
-    unit = Unit(params, resolved, name)
-    unit.set_post_forward_mesh(resolved.post_forward_mesh)
+    unit = _unit_of(params, [param_mesh for _, param_mesh in placements], resolved, name)
     state = UnitState(modules, unit, resolved.reshard_after_forward, mp_policy)
     for (_, original, _), param in zip(collected, params):
         setattr(param.sharded, SHARDED_MARK, True)
@@ -172,6 +176,20 @@ def _annotate(
     mark_replaced(name, collected)
     for tied in borrowed:
         lend(tied, state)
+
+
+def _unit_of(
+    params: list[ShardedParam], meshes: list[UnitMesh], resolved: UnitMesh, name: str
+) -> Unit | MultiMeshUnit:
+    """One Unit over the parameters, or one per mesh when shard_placement_fn put some on
+    their own (the unit's mesh first)."""
+    by_mesh: dict[int, tuple[UnitMesh, list[ShardedParam]]] = {id(resolved): (resolved, [])}
+    for param, mesh in zip(params, meshes):
+        by_mesh.setdefault(id(mesh), (mesh, []))[1].append(param)
+    parts = [Unit(group, mesh, name) for mesh, group in by_mesh.values()]
+    for part, (mesh, _) in zip(parts, by_mesh.values()):
+        part.set_post_forward_mesh(mesh.post_forward_mesh)
+    return parts[0] if len(parts) == 1 else MultiMeshUnit(parts)
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:

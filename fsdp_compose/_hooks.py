@@ -23,7 +23,7 @@ from ._comm_context import CommContext
 from ._policies import MixedPrecisionPolicy
 from ._root import STATE_ATTR, Root
 from ._param import ShardedParam
-from ._unit import Unit
+from ._multi_mesh import AnyUnit
 
 
 class Phase(enum.Enum):
@@ -62,7 +62,7 @@ class UnitState:
     root: Root[UnitState]  # set at lazy init (the first forward), when `initialised` becomes True
 
     def __init__(
-        self, modules: list[nn.Module], unit: Unit, reshard_after_forward: bool | None,
+        self, modules: list[nn.Module], unit: AnyUnit, reshard_after_forward: bool | None,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules
@@ -92,9 +92,10 @@ class UnitState:
         self._forward_index = -1  # in root.forward_order
         self._ended_forward_before: tuple[UnitState, ...] = ()  # implicit backward prefetch
         self._modules_to_run: set[nn.Module] = set()
+        reducers = [part.reducer for part in unit.parts]
         self.backward_end = BackwardEnd(
             unit.params, self._backward_done, self._in_pre_backward,
-            lambda: unit.reducer.reduce_scatter_unused_params,
+            lambda: any([r.reduce_scatter_unused_params for r in reducers]),
         )
         # What forward casts its floating-point inputs and outputs to (None: nothing).
         self._input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None

@@ -60,6 +60,11 @@ class Unit:
             self.gatherer.lay_out()
 
     @property
+    def parts(self) -> list[Unit]:
+        """The units gathered and reduced separately: itself (see MultiMeshUnit)."""
+        return [self]
+
+    @property
     def param_dtype(self) -> torch.dtype:
         return self.params[0].param_dtype
 

@@ -14,8 +14,9 @@ from torch.distributed.tensor import Shard
 
 from fsdp_compose import clip_grad_norm_, fully_shard
 from tests.dist.parity import (
-    backward, full, max_diff_to, optimizer_step, three_models, train_and_compare,
+    backward, full, make_mesh, max_diff_to, optimizer_step, three_models, train_and_compare,
 )
+from tests.dist.test_collectives import ALL_GATHER, CollectiveCounter
 from tests.models import MLP, Transformer, lm_loss, mse_loss, token_batch
 
 
@@ -157,3 +158,32 @@ def test_reshard_after_forward_to_a_smaller_group(ranks):
     for vs_reference, vs_full_reshard in ranks.run(check_post_forward_group, world_size=4):
         assert vs_full_reshard == 0.0
         assert vs_reference < 1e-4
+
+
+def check_parameters_on_their_own_mesh() -> tuple[float, float, dict[int, int]]:
+    """torch's MoE pattern: some parameters (here each block's (36, 12) weights) on an HSDP
+    mesh of their own, the rest fully sharded over all 4 ranks: two all-gathers per unit,
+    gradients averaged over all ranks either way."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        HSDPMeshInfo, ShardPlacementResult,
+    )
+
+    hsdp = make_mesh((2, 2))
+    info = HSDPMeshInfo(hsdp, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    def experts_apart(param: nn.Parameter) -> object:
+        return ShardPlacementResult(Shard(0), info) if param.shape == (36, 12) else None
+
+    errors = train_and_compare(Transformer, lm_loss, token_batch, shard_placement_fn=experts_apart)
+    _, ours, _ = three_models(Transformer, shard_placement_fn=experts_apart)
+    with CollectiveCounter() as counter:
+        ours.blocks[0].unshard()
+    sizes = {size: n for (name, size), n in counter.group_sizes.items() if name == ALL_GATHER}
+    return errors.vs_reference, errors.vs_torch, sizes
+
+
+def test_parameters_on_their_own_mesh(ranks):
+    for vs_reference, vs_torch, gathers in ranks.run(check_parameters_on_their_own_mesh, world_size=4):
+        assert vs_torch == 0.0
+        assert vs_reference < 1e-4
+        assert gathers == {4: 1, 2: 1}  # a block: one all-gather over 4 ranks, one over 2
