@@ -98,7 +98,8 @@ def check_options(
 def check_dp_mesh_dims(
     name: str, mesh: DeviceMesh, dims: object, reshard_after_forward: object
 ) -> None:
-    """dp_mesh_dims names data-parallel dims of `mesh`, one name each (see _meshes.py)."""
+    """dp_mesh_dims names data-parallel dims of `mesh`: a name or names (flattened) each for
+    shard and replicate (see _meshes.py)."""
     where = f"fully_shard({name}): dp_mesh_dims"
     if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
         raise TypeError(f"{where} must be a DataParallelMeshDims, got {type(dims).__name__}")
@@ -109,12 +110,9 @@ def check_dp_mesh_dims(
     for n in (*shard, *replicate):
         if n not in names:
             raise ValueError(f"{where}: Mesh dim name {n!r} not found in mesh.mesh_dim_names {names}")
-    if len(shard) > 1 or len(replicate) > 1:
-        raise NotImplementedError(
-            f"{where}: {dims}: several mesh dims flattened into one data-parallel dim are not "
-            "supported yet; name one mesh dim each for shard and replicate (flatten them "
-            "into one named dim of the mesh you build)."
-        )
+    for group in (shard, replicate):
+        if list(group) != sorted(group, key=names.index):
+            raise ValueError(f"{where}: {group} must name mesh dims in the mesh's order {names}.")
     if set(shard) & set(replicate):
         raise ValueError(f"{where}: {dims} names the same mesh dim to shard and to replicate.")
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):

@@ -37,12 +37,16 @@ class DataParallelMeshDims:
 
 
 class SpmdDims(NamedTuple):
-    """The full SPMD mesh a unit's parameters are DTensors on (dp_mesh_dims), and the
-    indices of its data-parallel dims."""
+    """The full SPMD mesh a unit's parameters are DTensors on (dp_mesh_dims), where its
+    data-parallel dims sit, and the mesh a sharded parameter's spec is on."""
 
     mesh: DeviceMesh
-    shard: int | None  # the dim that shards, if any
+    shard: tuple[int, ...]  # the dims that shard (several: flattened into one), if any
     data_parallel: tuple[int, ...]  # every data-parallel dim (shard and replicate)
+    # With several shard dims: the mesh of the sharded spec, on which they are one
+    # flattened dim (HSDP: a replicate dim before it), and what each of its dims is: a dim
+    # of `mesh` (its index), or the flattened "replicate" or "shard" dim; else None.
+    spec: tuple[DeviceMesh, tuple[int | str, ...]] | None
 
 
 class UnitMesh(NamedTuple):
@@ -94,33 +98,64 @@ def dim_names(names: str | tuple[str, ...] | None) -> tuple[str, ...]:
 
 def _data_parallel_part(mesh: DeviceMesh, dims: Any) -> tuple[DeviceMesh, SpmdDims]:
     """The data-parallel mesh a unit gathers and reduces over, as a 1-D (shard) or 2-D
-    (replicate, shard) mesh (replicate alone: shard groups of one rank), and where its
-    dims sit in the full mesh. Names are checked (check_dp_mesh_dims)."""
+    (replicate, shard) mesh (replicate alone: shard groups of one rank; several names each:
+    flattened into one dim), and where its dims sit in the full mesh. Names are checked
+    (check_dp_mesh_dims)."""
     names = mesh.mesh_dim_names
     assert names is not None
-    shard = next(iter(dim_names(dims.shard)), None)
-    replicate = next(iter(dim_names(dims.replicate)), None)
-    if shard is None:
-        assert replicate is not None
+    shard, replicate = dim_names(dims.shard), dim_names(dims.replicate)
+    if not shard:
         dp_mesh = _replicate_only(mesh, replicate)
-    elif replicate is None:
-        dp_mesh = mesh[shard]
+    elif not replicate:
+        dp_mesh = _flat(mesh, shard)
     else:
-        dp_mesh = DeviceMesh._concatenate([mesh[replicate], mesh[shard]])
-    indices = tuple(names.index(n) for n in (replicate, shard) if n is not None)
-    return dp_mesh, SpmdDims(mesh, None if shard is None else names.index(shard), indices)
+        dp_mesh = DeviceMesh._concatenate([_flat(mesh, replicate), _flat(mesh, shard)])
+    indices = tuple(names.index(n) for n in (*replicate, *shard))
+    shard_indices = tuple(names.index(n) for n in shard)
+    spec = None
+    if len(shard) > 1:
+        spec = _flattened_spec_mesh(mesh, shard, replicate, dp_mesh)
+    return dp_mesh, SpmdDims(mesh, shard_indices, indices, spec)
 
 
-def _replicate_only(mesh: DeviceMesh, replicate: str) -> DeviceMesh:
-    """A (replicate, 1) mesh over `mesh`'s dim `replicate`: HSDP whose shard groups are one
-    rank. Built from the whole mesh, which every rank passes alike (a DeviceMesh of one
-    submesh would have ranks outside it create other groups: Note [derived meshes])."""
+def _flat(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """`mesh`'s dims `names` as one 1-D mesh (flattened when several)."""
+    return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+
+def _flattened_spec_mesh(
+    mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...], dp_mesh: DeviceMesh,
+) -> tuple[DeviceMesh, tuple[int | str, ...]]:
+    """The mesh torch's fully_shard puts a parameter sharded over several dims on: `mesh`'s
+    dims in order, the first shard dim replaced by the flattened one (with HSDP, by the
+    data-parallel mesh: replicate then shard), the other data-parallel dims dropped."""
+    names = mesh.mesh_dim_names
+    assert names is not None
+    parts: list[DeviceMesh] = []
+    dims: list[int | str] = []
+    for i, name in enumerate(names):
+        if name == shard[0]:
+            parts.append(dp_mesh)
+            dims.extend(("replicate", "shard") if replicate else ("shard",))
+        elif name not in shard and name not in replicate:
+            parts.append(mesh[name])
+            dims.append(i)
+    return DeviceMesh._concatenate(parts), tuple(dims)
+
+
+def _replicate_only(mesh: DeviceMesh, replicate: tuple[str, ...]) -> DeviceMesh:
+    """A (replicate, 1) mesh over `mesh`'s dims `replicate` (flattened): HSDP whose shard
+    groups are one rank. Built from the whole mesh, which every rank passes alike (a
+    DeviceMesh of one submesh would have ranks outside it create other groups: Note
+    [derived meshes])."""
     def make() -> DeviceMesh:
         names = mesh.mesh_dim_names
         assert names is not None
-        others = tuple(f"{n}.other" for n in names if n != replicate)
-        ranks = mesh.mesh.movedim(names.index(replicate), -1).unsqueeze(-1)
-        whole = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*others, "replicate", "shard"))
+        others = [i for i, n in enumerate(names) if n not in replicate]
+        order = [*others, *(names.index(n) for n in replicate)]
+        ranks = mesh.mesh.permute(order).reshape(*(mesh.size(i) for i in others), -1, 1)
+        other_names = tuple(f"{names[i]}.other" for i in others)
+        whole = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*other_names, "replicate", "shard"))
         return whole["replicate", "shard"]
 
     return _in_this_world(("replicate only", mesh, replicate), make)

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
 from ._meshes import SpmdDims
 
@@ -82,13 +82,20 @@ class TensorParallel(NamedTuple):
     ) -> tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]:
         """On the full SPMD mesh: the shard dim's Replicate becomes Shard(dim), or
         _StridedShard(dim) when mesh dims after it also shard `dim` (it holds slices of
-        their shards), as torch's fully_shard writes it; every other dim is unchanged."""
-        assert self.spmd is not None
+        their shards), as torch's fully_shard writes it; every other dim is unchanged.
+        Several shard dims are one flattened dim of another mesh (SpmdDims.spec)."""
+        spmd = self.spmd
+        assert spmd is not None
         placements = list(self.placements)
-        if (index := self.spmd.shard) is not None:
+        for index in spmd.shard:
             split = 1
             for j in range(index + 1, self.mesh.ndim):
                 if isinstance(placements[j], Shard) and placements[j].dim == dim:  # type: ignore[attr-defined]
                     split *= self.mesh.size(j)
             placements[index] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
-        return self.mesh, tuple(placements), self.shape, self.stride
+        if spmd.spec is None:
+            return self.mesh, tuple(placements), self.shape, self.stride
+        spec_mesh, dims = spmd.spec
+        flat = {"replicate": Replicate(), "shard": placements[spmd.shard[0]]}
+        spec = tuple(flat[d] if isinstance(d, str) else placements[d] for d in dims)
+        return spec_mesh, spec, self.shape, self.stride

@@ -26,6 +26,12 @@ SETUPS = {
     "full sharding": ((2, 2), ("dp_shard", "tp"), "dp_shard", None),
     "HSDP": ((2, 2, 1), ("dp_replicate", "dp_shard", "tp"), "dp_shard", "dp_replicate"),
     "replicate only": ((2, 2), ("dp_replicate", "tp"), None, "dp_replicate"),
+    # Several names: flattened into one data-parallel dim.
+    "flattened shard": ((2, 2, 1), ("dp_shard", "cp", "tp"), ("dp_shard", "cp"), None),
+    "flattened shard, HSDP": (
+        (1, 2, 2, 1), ("dp_replicate", "dp_shard", "cp", "tp"), ("dp_shard", "cp"), "dp_replicate",
+    ),
+    "flattened replicate": ((2, 2, 1), ("ddp1", "ddp2", "tp"), None, ("ddp1", "ddp2")),
 }
 # Tensor parallel on the last ("tp") dim: fc1 column-wise, fc2 row-wise.
 TP_PLACEMENTS = {"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1), "fc2.bias": Replicate()}
@@ -53,7 +59,8 @@ def on_mesh(model: nn.Module, mesh) -> nn.Module:
 def check_trains_like_torch(setup: str) -> dict[str, object]:
     shape, names, shard, replicate = SETUPS[setup]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    dp = [i for i, n in enumerate(names) if n in (shard, replicate)]
+    dp_names = {n for group in (shard, replicate) if group for n in ((group,) if isinstance(group, str) else group)}
+    dp = [i for i, n in enumerate(names) if n in dp_names]
     torch.manual_seed(0)
     ref = MLP()
     ours, theirs = on_mesh(ref, mesh), on_mesh(ref, mesh)
@@ -63,8 +70,8 @@ def check_trains_like_torch(setup: str) -> dict[str, object]:
     ):
         shard_fn(model.fc1, mesh=mesh, dp_mesh_dims=dims)
         shard_fn(model, mesh=mesh, dp_mesh_dims=dims)
-    placements = {
-        fqn: (p.placements, q.placements)
+    placements = {  # and the mesh each sharded parameter is on
+        fqn: [(t.placements, t.device_mesh.shape, t.device_mesh.mesh_dim_names) for t in (p, q)]
         for (fqn, p), q in zip(ours.named_parameters(), theirs.parameters())
     }
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours, theirs)]

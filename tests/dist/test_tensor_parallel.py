@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -74,21 +75,30 @@ PLAN = {
 }
 
 
-def two_d(model: nn.Module, mesh, shard) -> nn.Module:
+def two_d(model: nn.Module, mesh, shard, **kwargs) -> nn.Module:
     parallelize_module(model, mesh["tp"], PLAN)
     for block in model.blocks:
-        shard(block, mesh=mesh["dp"])
-    shard(model, mesh=mesh["dp"])
+        shard(block, mesh=mesh["dp"], **kwargs)
+    shard(model, mesh=mesh["dp"], **kwargs)
     return model
 
 
-def check_tensor_parallel_parity(steps: int) -> float:
+def shard_dim_1(param: nn.Parameter) -> Shard | None:
+    """Matrices on dim 1 of their TP-local tensor (where row-wise TP shards too)."""
+    return Shard(1) if param.ndim == 2 else None
+
+
+def check_tensor_parallel_parity(steps: int, placement_fn=None) -> tuple[float, list]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
     torch.manual_seed(0)
     ref = TPModel()
-    ours = two_d(copy.deepcopy(ref), mesh, fully_shard)
-    theirs = two_d(copy.deepcopy(ref), mesh, torch_fully_shard)
+    ours = two_d(copy.deepcopy(ref), mesh, fully_shard, shard_placement_fn=placement_fn)
+    theirs = two_d(copy.deepcopy(ref), mesh, torch_fully_shard, shard_placement_fn=placement_fn)
+    placements = [
+        (fqn, p.placements, q.placements)
+        for (fqn, p), q in zip(ours.named_parameters(), theirs.parameters())
+    ]
     models = (ref, ours, theirs)
     optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     vs_torch = 0.0
@@ -101,11 +111,23 @@ def check_tensor_parallel_parity(steps: int) -> float:
         optimizer_step(optims)
         assert_close_to(ours, ref, where=step)
         vs_torch = max(vs_torch, max_diff_to(ours, theirs))
-    return vs_torch
+    return vs_torch, placements
 
 
-def test_tensor_parallel_trains_like_single_process_and_torch(ranks):
-    assert ranks.run(check_tensor_parallel_parity, world_size=4, steps=3) == [0.0] * 4
+@pytest.mark.parametrize("placement_fn", [None, shard_dim_1], ids=["dim 0", "dim 1"])
+def test_tensor_parallel_trains_like_single_process_and_torch(ranks, placement_fn):
+    results = ranks.run(check_tensor_parallel_parity, world_size=4, steps=3, placement_fn=placement_fn)
+    for vs_torch, placements in results:
+        assert vs_torch == 0.0
+        for fqn, ours, theirs in placements:  # _StridedShard where TP shards the same dim
+            assert ours == theirs, (fqn, ours, theirs)
+        strided = {fqn for fqn, ours, _ in placements if type(ours[0]).__name__ == "_StridedShard"}
+        # Column-wise weights are TP-sharded on dim 0, row-wise ones on dim 1.
+        expected = {"blocks.0.q.weight", "blocks.0.k.weight", "blocks.0.v.weight",
+                    "blocks.1.up.weight", "blocks.1.up.bias"}
+        if placement_fn is not None:  # biases stay on dim 0
+            expected = {"blocks.0.o.weight", "blocks.1.down.weight", "blocks.1.up.bias"}
+        assert strided == expected, strided
 
 
 def check_state_dict_and_clipping_on_2d_params() -> None:
