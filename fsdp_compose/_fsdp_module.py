@@ -154,16 +154,18 @@ class FSDPModule:
         """Whether to free the unsharded parameters after forward (gathered again in
         backward); an int keeps them sharded over groups of that many ranks instead."""
         states = self._states(recurse)
-        for state in states:  # check every unit before changing any
-            check_reshard_after_forward(
-                reshard_after_forward, type(self).__name__, state.unit.mesh.size(-1)
-            )
+        for state in states:  # check every unit (every mesh of one) before changing any
+            for part in state.unit.parts:
+                check_reshard_after_forward(
+                    reshard_after_forward, type(self).__name__, part.mesh.size(-1)
+                )
         for state in states:
-            reshard, post_forward_mesh = resolve_reshard_after_forward(
-                reshard_after_forward, state.unit.mesh
-            )
+            for part in state.unit.parts:
+                reshard, post_forward_mesh = resolve_reshard_after_forward(
+                    reshard_after_forward, part.mesh
+                )
+                part.set_post_forward_mesh(post_forward_mesh)
             state.reshard_after_forward = reshard
-            state.unit.set_post_forward_mesh(post_forward_mesh)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free the unsharded parameters after backward (e.g. keep them across

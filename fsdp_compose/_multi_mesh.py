@@ -55,16 +55,6 @@ class MultiMeshUnit:
         for part in self.parts:
             part.reshard(keep_post_forward)
 
-    def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
-        if mesh is not None:
-            raise NotImplementedError(
-                f"fsdp_compose: unit {self.label} has parameters on several meshes "
-                "(shard_placement_fn returned a ShardPlacementResult); reshard_after_forward="
-                "<int> is not supported for it yet. Pass a bool."
-            )
-        for part in self.parts:
-            part.set_post_forward_mesh(None)
-
     def reduce_grads(self) -> bool:
         started = [part.reduce_grads() for part in self.parts]  # each part's, in order
         return any(started)

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ._checks import check_reshard_after_forward
 from ._meshes import UnitMesh, unit_mesh
 
 ShardPlacementFn = Callable[[nn.Parameter], Any]
@@ -65,11 +66,7 @@ def _other_mesh(
             f"{where} returned a ShardPlacementResult on a {own_mesh.ndim}-D mesh; pass a 1-D "
             "(shard) or a 2-D (replicate, shard) mesh."
         )
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"{where} returned a ShardPlacementResult on its own mesh; reshard_after_forward="
-            "<int> with parameters on several meshes is not supported yet. Pass a bool."
-        )
+    check_reshard_after_forward(reshard_after_forward, where, own_mesh.size(-1))
     return unit_mesh(own_mesh, reshard_after_forward)
 
 

@@ -160,7 +160,7 @@ def test_reshard_after_forward_to_a_smaller_group(ranks):
         assert vs_reference < 1e-4
 
 
-def check_parameters_on_their_own_mesh() -> tuple[float, float, dict[int, int]]:
+def check_parameters_on_their_own_mesh(reshard_after_forward: bool | int) -> tuple[float, float, dict[int, int]]:
     """torch's MoE pattern: some parameters (here each block's (36, 12) weights) on an HSDP
     mesh of their own, the rest fully sharded over all 4 ranks: two all-gathers per unit,
     gradients averaged over all ranks either way."""
@@ -174,7 +174,10 @@ def check_parameters_on_their_own_mesh() -> tuple[float, float, dict[int, int]]:
     def experts_apart(param: nn.Parameter) -> object:
         return ShardPlacementResult(Shard(0), info) if param.shape == (36, 12) else None
 
-    errors = train_and_compare(Transformer, lm_loss, token_batch, shard_placement_fn=experts_apart)
+    errors = train_and_compare(
+        Transformer, lm_loss, token_batch, shard_placement_fn=experts_apart,
+        reshard_after_forward=reshard_after_forward,
+    )
     _, ours, _ = three_models(Transformer, shard_placement_fn=experts_apart)
     with CollectiveCounter() as counter:
         ours.blocks[0].unshard()
@@ -182,8 +185,56 @@ def check_parameters_on_their_own_mesh() -> tuple[float, float, dict[int, int]]:
     return errors.vs_reference, errors.vs_torch, sizes
 
 
-def test_parameters_on_their_own_mesh(ranks):
-    for vs_reference, vs_torch, gathers in ranks.run(check_parameters_on_their_own_mesh, world_size=4):
+@pytest.mark.parametrize("reshard_after_forward", [True, 2])  # 2: pairs of ranks keep pieces
+def test_parameters_on_their_own_mesh(ranks, reshard_after_forward):
+    for vs_reference, vs_torch, gathers in ranks.run(
+        check_parameters_on_their_own_mesh, reshard_after_forward=reshard_after_forward,
+        world_size=4,
+    ):
         assert vs_torch == 0.0
         assert vs_reference < 1e-4
         assert gathers == {4: 1, 2: 1}  # a block: one all-gather over 4 ranks, one over 2
+
+
+def trained_on_dim_1(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The Transformer sharded on dim 1 over every rank, after two AdamW steps on data
+    seeded by `seed` (the same whole batch at any world size)."""
+    _, model, _ = three_models(Transformer, shard_placement_fn=shard_dim_1)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        lm_loss(model, token_batch(seed + step, 4)).backward()
+        optim.step()
+        optim.zero_grad()
+    return model, optim
+
+
+def whole_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, list]:
+    """Parameters and AdamW moments, whole, as lists (they travel through the result queue)."""
+    state = {f"param {fqn}": full(p) for fqn, p in model.named_parameters()}
+    for fqn, p in model.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[f"{key} {fqn}"] = full(optim.state[p][key])
+    return {key: value.tolist() for key, value in state.items()}
+
+
+def check_save_on_dim_1(path: str) -> dict[str, list]:
+    model, optim = trained_on_dim_1(seed=0)
+    dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=path)
+    return whole_state(model, optim)
+
+
+def check_load_on_dim_1(path: str) -> dict[str, list]:
+    model, optim = trained_on_dim_1(seed=7)  # other values, and optimizer state to load into
+    state = {"model": model.state_dict(), "optim": optim.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    optim.load_state_dict(state["optim"])
+    return whole_state(model, optim)
+
+
+def test_checkpoint_loads_at_another_world_size(ranks, tmp_path):
+    """Saved sharded on dim 1 over 2 ranks, loaded sharded on dim 1 over 4: the same whole
+    parameters and optimizer state."""
+    saved = ranks.run(check_save_on_dim_1, path=str(tmp_path), world_size=2)[0]
+    for loaded in ranks.run(check_load_on_dim_1, path=str(tmp_path), world_size=4):
+        assert loaded == saved
