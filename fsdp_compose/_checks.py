@@ -144,9 +144,14 @@ def check_spmd_param(name: str, fqn: str, param: nn.Parameter, spmd: SpmdDims) -
             )
 
 
-def check_mesh(name: str, mesh: object, spmd: bool = False) -> None:
+def check_mesh(
+    name: str, mesh: object, dp_mesh_dims: object = None, reshard_after_forward: object = None
+) -> None:
+    """The mesh, with dp_mesh_dims and reshard_after_forward, as fully_shard can use them."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard({name}): mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if dp_mesh_dims is not None:
+        check_dp_mesh_dims(name, mesh, dp_mesh_dims, reshard_after_forward)
     device_type = mesh.device_type
     if device_type != "cpu" and not _device_available(device_type):
         raise ValueError(
@@ -154,12 +159,13 @@ def check_mesh(name: str, mesh: object, spmd: bool = False) -> None:
             f"torch build or machine does not have (torch.{device_type}.is_available() is "
             "False). Build the mesh on \"cpu\" (gloo), or run where that device is present."
         )
-    if mesh.ndim not in (1, 2) and not spmd:
+    if mesh.ndim not in (1, 2) and dp_mesh_dims is None:
         raise ValueError(
             f"fully_shard({name}): the mesh has {mesh.ndim} dimensions; pass a 1-D mesh "
             "(full sharding) or a 2-D (replicate, shard) mesh (HSDP), e.g. mesh['dp'], or "
             "name its data-parallel dims with dp_mesh_dims."
         )
+    check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", mesh.size(-1))
 
 
 def _device_available(device_type: str) -> bool:

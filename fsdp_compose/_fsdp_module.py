@@ -261,13 +261,13 @@ class FSDPModule:
         """Gather this unit's parameters with `comm(output, input, group, async_op=False)`
         (returning a Work or None) instead of all_gather_single; `comm.allocate(size, *,
         dtype, device)`, if defined, allocates the output. torch's AllGather interface."""
-        self._one_mesh("set_custom_all_gather").custom_all_gather = comm
+        _one_mesh(self, "set_custom_all_gather").custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: CustomComm) -> None:
         """Reduce this unit's gradients with `comm(output, input, group, op,
         async_op=False)` instead of reduce_scatter_single; `comm.allocate`, if defined,
         allocates input and output. torch's ReduceScatter interface."""
-        self._one_mesh("set_custom_reduce_scatter").reducer.custom_reduce_scatter = comm
+        _one_mesh(self, "set_custom_reduce_scatter").reducer.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call `hook(reduced)` on this unit's reduced gradients (the reduce-scatter output,
@@ -279,7 +279,7 @@ class FSDPModule:
                 f"{type(self).__name__}.set_all_reduce_hook: fsdp_compose reduces gradients on "
                 "the current stream and runs the hook there; pass stream=None."
             )
-        self._one_mesh("set_all_reduce_hook").reducer.all_reduce_hook = hook
+        _one_mesh(self, "set_all_reduce_hook").reducer.all_reduce_hook = hook
 
     def set_all_gather_codec(
         self, codec: AllGatherCodec | None, params: list[str] | None = None
@@ -310,18 +310,6 @@ class FSDPModule:
             for part in state.unit.parts:
                 part.reducer.group = separate_group(part.group) if enable else part.group
 
-    def _one_mesh(self, setter: str) -> Unit:
-        """The unit, when its parameters are on one mesh (torch refuses these setters too
-        when shard_placement_fn put some on another)."""
-        parts = self._state().unit.parts
-        if len(parts) > 1:
-            raise ValueError(
-                f"{type(self).__name__}.{setter} is not supported with parameters on several "
-                "meshes (from per-param mesh via shard_placement_fn); set it on a unit whose "
-                "parameters share one mesh."
-            )
-        return parts[0]
-
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         _not_yet(self, "allocating communication buffers from the process group (CUDA)")
 
@@ -336,6 +324,19 @@ def _prefetch_states(owner: FSDPModule, modules: list[FSDPModule], where: str) -
             "annotated; pass modules that fully_shard annotated."
         )
     return [m._state() for m in modules]
+
+
+def _one_mesh(module: FSDPModule, setter: str) -> Unit:
+    """The module's unit, when its parameters are on one mesh (torch refuses these setters
+    too when shard_placement_fn put some on another)."""
+    parts = module._state().unit.parts
+    if len(parts) > 1:
+        raise ValueError(
+            f"{type(module).__name__}.{setter} is not supported with parameters on several "
+            "meshes (from per-param mesh via shard_placement_fn); set it on a unit whose "
+            "parameters share one mesh."
+        )
+    return parts[0]
 
 
 def _not_yet(owner: FSDPModule, what: str) -> NoReturn:

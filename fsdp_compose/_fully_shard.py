@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._checks import (
-    SHARDED_MARK, Collected, check_dp_mesh_dims, check_mesh, check_modules, check_options, check_params,
-    check_reshard_after_forward, collect_params, mark_replaced,
+    SHARDED_MARK, Collected, check_mesh, check_modules, check_options, check_params,
+    collect_params, mark_replaced,
 )
 from ._fsdp_module import FSDPModule
 from ._hooks import UnitState
@@ -107,25 +107,18 @@ def fully_shard(
     check_options(name, reshard_after_forward, shard_placement_fn, mp_policy,
                    offload_policy, dp_mesh_dims)
     mesh = mesh if mesh is not None else default_mesh(name)
-    check_mesh(name, mesh, spmd=dp_mesh_dims is not None)
-    if dp_mesh_dims is not None:
-        check_dp_mesh_dims(name, mesh, dp_mesh_dims, reshard_after_forward)
-    check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", mesh.size(-1))
+    check_mesh(name, mesh, dp_mesh_dims, reshard_after_forward)
     resolved = unit_mesh(mesh, reshard_after_forward, dp_mesh_dims)
-    device = resolved.device
     collected = collect_params(modules, name, set(ignored_params or ()))
     collected, borrowed = _split_tied(name, collected, resolved, mp_policy)
-    check_params(name, collected, device, resolved)
-    # May raise: before anything changes.
-    placements = shard_placements(
-        name, [(fqn, p) for fqn, p, _ in collected], shard_placement_fn, resolved,
-        reshard_after_forward,
-    )
+    check_params(name, collected, resolved.device, resolved)
+    # These may raise too: before anything changes.
+    placements = shard_placements(name, collected, shard_placement_fn, resolved, reshard_after_forward)
     policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]
 
     if sync_module_states:
         tensors = [p for _, p, _ in collected] + unit_buffers(modules)
-        sync_from_first_rank(tensors, mesh, device)
+        sync_from_first_rank(tensors, mesh, resolved.device)
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     _annotate(modules, name, collected, placements, policies, borrowed, resolved, mp_policy, offload)
     return module  # type: ignore[return-value]  # annotated in place: now FSDPModules

@@ -111,24 +111,19 @@ class ShardedParam:
         A meta `local` stays on meta until `materialize`."""
         self.extension = None  # a new local shard: the unit looks for hooks again
         on_meta = local.is_meta
-        if on_meta or not is_traceable_wrapper_subclass(local):
-            self.padded_shard = torch.zeros(
-                self.layout.padded_shard_numel, dtype=local.dtype,
-                device=local.device if on_meta else self._shard_device,
-                pin_memory=self._pin_memory and not on_meta,
-            )
-        else:  # a tensor subclass (with all-gather hooks: checked) keeps its class
-            self.padded_shard = local.new_zeros(self.layout.padded_shard_numel)
-        self._local = self.padded_shard[: self._local_shape.numel()].view(self._local_shape)
+        self.padded_shard = _zeros_like(
+            local, self.layout.padded_shard_numel, self._shard_device, self._pin_memory
+        )
+        self.local = self.padded_shard[: self._local_shape.numel()].view(self._local_shape)
         if not on_meta:
-            self._local.copy_(local)
-        sharded = nn.Parameter(self._as_dtensor(self._local), requires_grad=requires_grad)
+            self.local.copy_(local)
+        sharded = nn.Parameter(self._as_dtensor(self.local), requires_grad=requires_grad)
         if keep is not None:
             _give_data(keep, sharded)
             sharded = keep
         self.sharded = sharded
-        self._local = _local_of(sharded)  # a detached alias of the view: Parameter() detaches
-        carry_hooks(local, self._local)
+        self.local = _local_of(sharded)  # a detached alias of the view: Parameter() detaches
+        carry_hooks(local, self.local)
         self.param_dtype = self.mp_policy.param_dtype or local.dtype
         self.reduce_dtype = self.mp_policy.reduce_dtype or (
             local.dtype if _REDUCE_IN_OWN_DTYPE else self.param_dtype
@@ -141,9 +136,9 @@ class ShardedParam:
         flat_piece.copy_(self.padded_shard)
         self.padded_shard = flat_piece
         # Same dtype, device and spec: only the local tensor changes (see _give_data).
-        local, self._local = self._local, flat_piece[: self._local_shape.numel()].view(self._local_shape)
-        carry_hooks(local, self._local)
-        self.sharded._local_tensor = self._local  # type: ignore[attr-defined]
+        local, self.local = self.local, flat_piece[: self._local_shape.numel()].view(self._local_shape)
+        carry_hooks(local, self.local)
+        self.sharded._local_tensor = self.local  # type: ignore[attr-defined]
 
     def _allocate_unsharded_buffer(self, device: torch.device) -> None:
         buffer = torch.empty(
@@ -184,11 +179,6 @@ class ShardedParam:
         return self._tp is not None
 
     @property
-    def local(self) -> torch.Tensor:
-        """The sharded parameter's local tensor: the unpadded shard."""
-        return self._local
-
-    @property
     def is_meta(self) -> bool:
         return self.padded_shard.is_meta
 
@@ -213,7 +203,7 @@ class ShardedParam:
         registered = parameters.get(attr)
         # As in every iteration: ours, sharded (its local tensor read directly).
         # (Its local tensor read inline: a call per parameter and iteration costs more.)
-        if registered is self.sharded and registered._local_tensor is self._local:  # type: ignore[attr-defined]
+        if registered is self.sharded and registered._local_tensor is self.local:  # type: ignore[attr-defined]
             if self.unsharded.requires_grad is not registered.requires_grad:
                 self.unsharded.requires_grad_(registered.requires_grad)
             return False
@@ -348,6 +338,15 @@ class ShardedParam:
         grad = _local_of(self.sharded.grad)
         grad.add_(local)
         return grad
+
+
+def _zeros_like(local: torch.Tensor, numel: int, device: torch.device, pin: bool) -> torch.Tensor:
+    """A flat zeroed shard of `numel` elements for `local` on `device` (meta stays meta); a
+    tensor subclass (with all-gather hooks: checked) keeps its class."""
+    if local.is_meta or not is_traceable_wrapper_subclass(local):
+        on = local.device if local.is_meta else device
+        return torch.zeros(numel, dtype=local.dtype, device=on, pin_memory=pin and not local.is_meta)
+    return local.new_zeros(numel)
 
 
 def _give_data(kept: nn.Parameter, new: nn.Parameter) -> None:

@@ -17,10 +17,11 @@ ShardPlacementFn = Callable[[nn.Parameter], Any]
 
 
 def shard_placements(
-    name: str, params: list[tuple[str, nn.Parameter]], fn: ShardPlacementFn | None,
+    name: str, params: list[tuple[str, nn.Parameter, Any]], fn: ShardPlacementFn | None,
     mesh: UnitMesh, reshard_after_forward: bool | int | None,
 ) -> list[tuple[int, UnitMesh]]:
-    """Each parameter's shard dim (from 0) and mesh: what `fn(param)` returns (None: dim 0
+    """Each parameter's (fqn, parameter, holders) shard dim (from 0) and mesh: what
+    `fn(param)` returns (None: dim 0
     on the unit's mesh; `Shard(dim)`, a negative dim counting from the last; a
     `ShardPlacementResult(placement, mesh_info)` whose `mesh_info.mesh` (torch's
     FSDPMeshInfo / HSDPMeshInfo) is a 1-D or a 2-D (replicate, shard) mesh), checked. Like
@@ -31,7 +32,7 @@ def shard_placements(
         return [(0, mesh)] * len(params)
     meshes: dict[DeviceMesh, UnitMesh] = {mesh.mesh: mesh}
     placements = []
-    for fqn, param in params:
+    for fqn, param, _ in params:
         where = f"fully_shard({name}): shard_placement_fn for parameter {fqn!r}"
         placement, own_mesh = _placement_and_mesh(where, fn(param))
         if own_mesh is not None and own_mesh not in meshes:
