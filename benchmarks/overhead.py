@@ -6,7 +6,9 @@
 With the fake process group nothing is sent, so a training step's time minus the same
 model's unsharded step, divided by the number of units, is CPU time per unit per forward +
 backward. Part of it is the fake group's own: it still copies every rank's shard into the
-gathered output and chunks the reduce-scatter's input. Further rounds time the calls into
+gathered output and chunks the reduce-scatter's input. A second fsdp_compose model ran one
+step under a StepTrace before timing: closed, a trace should cost nothing. Further rounds
+time the calls into
 the process group, for both runtimes, and report what remains as the runtime's own. On a
 one-rank gloo group both runtimes skip communication altogether. The contenders run
 interleaved, in one process.
@@ -34,7 +36,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from provenance import provenance
 
-from fsdp_compose import fully_shard
+from fsdp_compose import StepTrace, fully_shard
 
 
 def build(units: int, dim: int, shard) -> nn.Module:
@@ -116,9 +118,13 @@ def main() -> None:
         "unsharded": build(args.units, args.dim, None),
         "torch fully_shard": build(args.units, args.dim, torch_fully_shard),
         "fsdp_compose": build(args.units, args.dim, fully_shard),
+        # A StepTrace opened and closed leaves nothing behind: the same cost as never traced.
+        "after a StepTrace": build(args.units, args.dim, fully_shard),
     }
     for model in models.values():
         step_seconds(model, x, 3)  # warm up: lazy init, allocator
+    with StepTrace(models["after a StepTrace"]):
+        step_seconds(models["after a StepTrace"], x, 1)
     times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(args.repeats):  # interleaved, so drift hits every contender alike
         for name, model in models.items():

@@ -8,6 +8,9 @@
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 \
         examples/train_gpt.py --checkpoint ckpt
 
+    # Trace the last step: a table per unit, trace/step.json (Perfetto), trace/step.png:
+    torchrun --nproc_per_node=2 examples/train_gpt.py --trace trace
+
 The data is synthetic and learnable (each sequence counts upward from a random token), so
 the loss falls within a few steps. Each step's batches depend only on the step and rank, so
 a resumed run trains exactly as an uninterrupted one. Rank 0 prints the loss of every step.
@@ -16,6 +19,7 @@ a resumed run trains exactly as an uninterrupted one. Rank 0 prints the loss of 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 
@@ -24,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_compose import export_safetensors, fully_shard, load_checkpoint, save_checkpoint
+from fsdp_compose import StepTrace, fully_shard, load_checkpoint, save_checkpoint, save_full_state_dict
 
 
 class Block(nn.Module):
@@ -82,18 +86,35 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     for step in range(first_step, args.steps):
         data = torch.Generator().manual_seed(step * dist.get_world_size() + rank)  # this step and rank
         tokens = counting_batch(args.batch, args.seq, args.vocab, data).to(device)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        tracing = args.trace and step == args.steps - 1  # the last step, warmed up
+        with StepTrace(model) if tracing else contextlib.nullcontext() as trace:
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if trace is not None:
+            save_trace(trace, args.trace)
         dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
         if rank == 0:
             print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
         if args.checkpoint and (step + 1) % args.save_every == 0:
             save_checkpoint(args.checkpoint, model, optimizer, step=step + 1)  # atomic
     if args.export:
-        export_safetensors(model, args.export)  # the whole weights, from rank 0
+        save_full_state_dict(model, args.export)  # the whole weights, a tensor at a time
+
+
+def save_trace(trace: StepTrace, directory: str) -> None:
+    """The traced step: a table (rank 0 prints it), step.json for Perfetto (every rank's),
+    step.png (rank 0's timeline; needs matplotlib)."""
+    os.makedirs(directory, exist_ok=True)
+    trace.save_chrome(os.path.join(directory, "step.json"))
+    if dist.get_rank() == 0:
+        print(trace.table(), flush=True)
+        try:
+            trace.save_png(os.path.join(directory, "step.png"))
+        except ImportError:
+            print("(no step.png: pip install matplotlib)")
 
 
 def init_distributed() -> torch.device:
@@ -120,6 +141,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", help="directory to save to, and resume from if present")
     parser.add_argument("--save-every", type=int, default=5, help="steps between checkpoints")
     parser.add_argument("--export", help="write the trained weights to this .safetensors file")
+    parser.add_argument("--trace", help="trace the last step into this directory (StepTrace)")
     args = parser.parse_args()
     train(args, init_distributed())
     # Collect the model, and the DeviceMesh it holds, while the process group is still up:

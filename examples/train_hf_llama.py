@@ -21,7 +21,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from fsdp_compose import WrapPolicy, checkpoint_blocks, export_safetensors, wrap
+from fsdp_compose import WrapPolicy, checkpoint_blocks, save_full_state_dict, wrap
 
 
 def counting_batch(batch: int, seq: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -53,7 +53,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         if rank == 0:
             print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
     if args.export:
-        export_safetensors(model, os.path.join(args.export, "model.safetensors"))
+        # Streamed a tensor at a time from rank 0 (several files past --max-shard-size).
+        save_full_state_dict(model, args.export, max_shard_size=args.max_shard_size)
         if rank == 0:
             config.save_pretrained(args.export)
 
@@ -68,6 +69,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--export", help="directory for a Hugging Face checkpoint of the result")
+    parser.add_argument("--max-shard-size", type=int, default=5 * 1024**3,
+                        help="bytes per safetensors file of --export")
     args = parser.parse_args()
 
     if torch.cuda.is_available():

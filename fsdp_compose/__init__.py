@@ -4,12 +4,14 @@ from ._activation_checkpointing import checkpoint_blocks
 from ._checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from ._clip import clip_grad_norm_
 from ._codec import AllGatherCodec, Int8RowCodec
+from ._full_state_dict import load_full_state_dict, save_full_state_dict
 from ._fsdp_module import FSDPModule, GradientReductionHandle, UnshardHandle
 from ._fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from ._init import materialize
 from ._meshes import DataParallelMeshDims
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._replicate import replicate
+from ._trace import StepTrace
 from ._wrap import WrapPolicy, wrap
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "Int8RowCodec",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "StepTrace",
     "UnshardHandle",
     "WrapPolicy",
     "checkpoint_blocks",
@@ -28,10 +31,12 @@ __all__ = [
     "export_safetensors",
     "fully_shard",
     "load_checkpoint",
+    "load_full_state_dict",
     "materialize",
     "register_fsdp_forward_method",
     "replicate",
     "save_checkpoint",
+    "save_full_state_dict",
     "share_comm_ctx",
     "wrap",
 ]

@@ -16,7 +16,7 @@ class ReusedBuffer:
     memory what fresh buffers would take.
     """
 
-    __slots__ = ("_nbytes", "_spec", "_storage", "_tensor", "flat")
+    __slots__ = ("_nbytes", "_spec", "_storage", "_tensor", "flat")  # (nbytes: a method)
     flat: torch.Tensor  # the taken tensor, 1-D (a view, made once): set by the first take
 
     def __init__(self) -> None:
@@ -45,6 +45,10 @@ class ReusedBuffer:
             assert self._storage is not None and self._tensor is not None
         self._storage.resize_(self._nbytes)
         return self._tensor
+
+    def nbytes(self) -> int:
+        """What its storage holds now (0 when released)."""
+        return 0 if self._storage is None else self._storage.nbytes()
 
     def release(self) -> None:
         """Free the storage; what `take` returned must no longer be in use."""

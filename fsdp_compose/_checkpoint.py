@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ._collectives import barrier
+from ._full_state_dict import save_full_state_dict
 
 INCOMPLETE = ".incomplete"  # suffix of a checkpoint being written
 REPLACED = ".replaced"  # suffix of the previous checkpoint while the new one takes its name
@@ -107,27 +108,11 @@ def load_checkpoint(
 
 
 def export_safetensors(model: nn.Module, path: str | os.PathLike[str]) -> None:
-    """Write `model`'s whole weights to one safetensors file at `path` from the first rank,
-    under the model's own parameter names (a Hugging Face model's names when the model is
-    one). Gathered one parameter at a time into CPU memory on the first rank only. Call
-    on every rank; needs the `safetensors` package."""
-    from safetensors.torch import save_file  # an optional dependency: fsdp_compose[hf]
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    # Whole tensors (parameters and buffers, gathered): no DTensors or nested values.
-    whole = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
-    if not _is_first_rank():
-        return
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for key, tensor in whole.items():
-        # safetensors stores no aliases: tied weights are written as copies.
-        shared = tensor.untyped_storage().data_ptr() in seen
-        seen.add(tensor.untyped_storage().data_ptr())
-        tensors[key] = tensor.clone() if shared else tensor.contiguous()
-    staging = Path(f"{path}{INCOMPLETE}")
-    save_file(tensors, staging, metadata={"format": "pt"})
-    staging.replace(path)
+    """Write `model`'s whole weights to one safetensors file at `path` from the first rank:
+    `save_full_state_dict` to one file (kept for the callers of this earlier name)."""
+    if Path(path).suffix != ".safetensors":
+        raise ValueError(f"export_safetensors: {path} must end in .safetensors (or call save_full_state_dict).")
+    save_full_state_dict(model, path)
 
 
 def _is_first_rank() -> bool:

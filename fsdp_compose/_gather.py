@@ -102,6 +102,11 @@ class Gatherer:
         for p in self.params:
             p.set_post_forward_group(size, index)
 
+    def held_bytes(self) -> int:
+        """Bytes held beyond the shards: unsharded data and the all-gather buffer."""
+        unsharded = sum(storage.nbytes() for storage, _ in self._unsharded_storages)
+        return unsharded + self._buffer.nbytes()
+
     @property
     def in_flight(self) -> bool:
         return self._pending is not None

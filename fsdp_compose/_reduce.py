@@ -83,6 +83,12 @@ class Reducer:
         self._spec = ((unit.shard_size, unit.shard_numel), unit.reduce_dtype, unit.device)
         self._reduction = None
 
+    def held_bytes(self) -> int:
+        """Bytes held beyond the shards: the reduce-scatter's input and output in flight."""
+        pending = self._pending
+        output = 0 if pending is None else pending.output.nbytes
+        return self._buffer.nbytes() + output
+
     def set_reduction(self, divide_factor: float | None, force_sum: bool) -> None:
         """Divide summed gradients by `divide_factor` (None: the number of data-parallel
         ranks); with `force_sum`, reduce with a plain SUM and divide afterwards."""

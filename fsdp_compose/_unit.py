@@ -75,6 +75,10 @@ class Unit:
         training = [p.reduce_dtype for p in self.params if p.sharded.requires_grad]
         return functools.reduce(torch.promote_types, training or [self.params[0].reduce_dtype])
 
+    def held_bytes(self) -> int:
+        """Bytes held beyond the shards (unsharded data, communication buffers)."""
+        return self.gatherer.held_bytes() + self.reducer.held_bytes()
+
     @property
     def is_unsharded(self) -> bool:
         return self.gatherer.is_unsharded

@@ -1,0 +1,232 @@
+"""StepTrace: what each unit did in one or more training steps, on this rank: its
+all-gathers and reduce-scatters (issued, waited for, bytes, time the rank was blocked), its
+forward and backward compute, and the memory held at each.
+
+While a trace is open it wraps the methods that issue and wait for each unit's
+collectives and hooks its modules' forward; on exit it removes every wrapper and hook, so
+the runtime then runs exactly the code it runs untraced (nothing to pay when off). Each
+span is also a `torch.profiler.record_function` range, "fsdp::<unit> <what> <pass>", so it
+shows in torch.profiler traces. Rendering (table, Chrome trace, picture) is in
+_trace_report.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ._hooks import UnitState, state_of
+from ._trace_report import chrome_trace, draw_timeline, unit_table
+from ._unit import Unit
+
+FORWARD, BACKWARD = "forward", "backward"
+ALL_GATHER, REDUCE_SCATTER, COMPUTE = "all-gather", "reduce-scatter", "compute"
+
+
+@dataclasses.dataclass
+class Span:
+    """One thing a unit did, in seconds since the trace opened."""
+
+    unit: str  # the unit's modules' fqn under the root ("" for the root)
+    kind: str  # ALL_GATHER, REDUCE_SCATTER or COMPUTE
+    phase: str  # FORWARD or BACKWARD
+    start: float
+    end: float
+    blocked: float = 0.0  # communication: seconds the rank spent in its calls (not hidden)
+    nbytes: int = 0  # communication: the collective's whole buffer
+    memory: int = 0  # bytes held when it ended (see StepTrace.memory)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class StepTrace:
+    """Record every unit of `model` (annotated) while open:
+
+        with StepTrace(model) as trace:
+            loss = model(batch).sum(); loss.backward(); optimizer.step()
+        print(trace.table())
+        trace.save_chrome("step.json")  # every rank calls it: rank 0 writes all ranks
+        trace.save_png("step.png")      # this rank's units over time, and memory
+
+    Memory at each span's end: on an accelerator the bytes its allocator holds for
+    tensors; on the CPU the bytes fsdp_compose holds beyond the shards (unsharded
+    parameters and communication buffers), which is what sharding changes.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.spans: list[Span] = []
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        states = {id(s): s for m in model.modules() if (s := state_of(m)) is not None}
+        if not states:
+            raise ValueError(f"StepTrace: {type(model).__name__} has no fully_shard units.")
+        self._states: list[UnitState] = list(states.values())
+        self._undo: list[Callable[[], None]] = []
+        self._origin = 0.0
+        self._open: dict[tuple[int, str, str], Span] = {}  # spans begun, not yet ended
+        self._device: torch.device | None = None
+
+    # -- opening and closing -----------------------------------------------------------------
+
+    def __enter__(self) -> StepTrace:
+        self._origin = time.perf_counter()
+        for state in self._states:
+            self._device = state.unit.device
+            for part in state.unit.parts:
+                self._wrap_unit(state, part)
+            self._wrap_state(state)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._origin
+
+    def _patch(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Set `owner.name` (an instance attribute) to `make(original)` until exit."""
+        had = name in vars(owner)
+        original = getattr(owner, name)
+        setattr(owner, name, make(original))
+
+        def undo() -> None:
+            if had:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+        self._undo.append(undo)
+
+    def _hook(self, handle: RemovableHandle) -> None:
+        self._undo.append(handle.remove)
+
+    # -- what is recorded ----------------------------------------------------------------------
+
+    def _name(self, state: UnitState) -> str:
+        return state.unit.fqn_prefix.rstrip(".")
+
+    def _begin(self, state: UnitState, kind: str, phase: str, start: float, **fields: Any) -> None:
+        self._open[id(state), kind, phase] = Span(self._name(state), kind, phase, start, start, **fields)
+
+    def _end(self, state: UnitState, kind: str, phase: str | None = None, blocked: float = 0.0) -> None:
+        for p in (phase,) if phase else (FORWARD, BACKWARD):
+            span = self._open.pop((id(state), kind, p), None)
+            if span is not None:
+                span.end = self._now()
+                span.blocked += blocked
+                span.memory = self.memory()
+                self.spans.append(span)
+                return
+
+    def memory(self) -> int:
+        """Bytes held now: see the class docstring."""
+        device = self._device
+        if device is not None and device.type != "cpu":
+            return int(torch.get_device_module(device.type).memory_allocated(device))
+        return sum(part.held_bytes() for s in self._states for part in s.unit.parts)
+
+    def _wrap_unit(self, state: UnitState, part: Unit) -> None:
+        gatherer, reducer = part.gatherer, part.reducer
+
+        def start(original: Callable[..., Any]) -> Callable[..., Any]:
+            def traced(*args: Any, **kwargs: Any) -> Any:
+                phase, begun = (BACKWARD if _in_backward() else FORWARD), self._now()
+                with torch.profiler.record_function(f"fsdp::{self._name(state)} all-gather {phase}"):
+                    gather = original(*args, **kwargs)
+                nbytes = gather.gathered.numel() * gather.gathered.element_size()
+                self._begin(state, ALL_GATHER, phase, begun, nbytes=nbytes, blocked=self._now() - begun)
+                return gather
+            return traced
+
+        def waited(original: Callable[..., Any]) -> Callable[..., Any]:
+            def traced(*args: Any, **kwargs: Any) -> Any:
+                begun = self._now()
+                with torch.profiler.record_function(f"fsdp::{self._name(state)} all-gather wait"):
+                    result = original(*args, **kwargs)
+                self._end(state, ALL_GATHER, blocked=self._now() - begun)
+                return result
+            return traced
+
+        def reduce(original: Callable[..., Any]) -> Callable[..., Any]:
+            def traced(*args: Any, **kwargs: Any) -> Any:
+                self._end(state, COMPUTE, BACKWARD)  # the unit's gradients are all there
+                begun = self._now()
+                with torch.profiler.record_function(f"fsdp::{self._name(state)} reduce-scatter"):
+                    started = original(*args, **kwargs)
+                if started:
+                    rows = reducer._pending.input if reducer._pending is not None else None
+                    nbytes = 0 if rows is None else rows.numel() * rows.element_size()
+                    self._begin(state, REDUCE_SCATTER, BACKWARD, begun, nbytes=nbytes,
+                                blocked=self._now() - begun)
+                return started
+            return traced
+
+        def finished(original: Callable[..., Any]) -> Callable[..., Any]:
+            def traced(*args: Any, **kwargs: Any) -> Any:
+                begun = self._now()
+                with torch.profiler.record_function(f"fsdp::{self._name(state)} reduce-scatter wait"):
+                    result = original(*args, **kwargs)
+                self._end(state, REDUCE_SCATTER, BACKWARD, blocked=self._now() - begun)
+                return result
+            return traced
+
+        self._patch(gatherer, "_start", start)
+        self._patch(gatherer, "wait_for_unshard", waited)
+        self._patch(part, "wait_for_unshard", waited)
+        self._patch(part, "reduce_grads", reduce)
+        self._patch(reducer, "finish_reduction", finished)
+        self._patch(part, "finish_reduction", finished)
+
+    def _wrap_state(self, state: UnitState) -> None:
+        def forward_began(module: nn.Module, args: Any) -> None:
+            if not _in_backward():  # (a recomputation in backward belongs to backward)
+                self._begin(state, COMPUTE, FORWARD, self._now())
+
+        def forward_ended(module: nn.Module, args: Any, output: Any) -> None:
+            self._end(state, COMPUTE, FORWARD)
+
+        def pre_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+            def traced(*args: Any, **kwargs: Any) -> Any:
+                result = original(*args, **kwargs)  # gathers the parameters if needed
+                if (id(state), COMPUTE, BACKWARD) not in self._open:
+                    self._begin(state, COMPUTE, BACKWARD, self._now())
+                return result
+            return traced
+
+        for module in state.modules:
+            self._hook(module.register_forward_pre_hook(forward_began))  # after fully_shard's
+            self._hook(module.register_forward_hook(forward_ended, prepend=True))  # before its
+        self._patch(state, "_pre_backward", pre_backward)
+
+    # -- results -------------------------------------------------------------------------------
+
+    def table(self) -> str:
+        """Per unit and pass: bytes and milliseconds of its collectives, its compute, the
+        communication it waited for (not hidden by compute), the peak memory."""
+        return unit_table(self.spans, on_cpu=self._device is None or self._device.type == "cpu")
+
+    def save_chrome(self, path: str) -> None:
+        """A Chrome trace (Perfetto, chrome://tracing) of every rank: a process per rank, a
+        lane per stream (compute, all-gather, reduce-scatter), a memory counter. Collective:
+        every rank calls it; the first writes."""
+        spans: list[list[Span]] = [self.spans]
+        if dist.is_initialized():
+            spans = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(spans, self.spans)
+        if self.rank == 0:
+            chrome_trace(path, spans)
+
+    def save_png(self, path: str) -> None:
+        """This rank's units over time (compute and collectives per unit) above the memory
+        held; needs matplotlib (`pip install "fsdp_compose[bench]"`)."""
+        draw_timeline(path, self.spans, self.rank)

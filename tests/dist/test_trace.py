@@ -1,0 +1,125 @@
+"""StepTrace: the spans of one traced step hold the analytic bytes of every collective,
+in forward and backward order; the Chrome trace has one event per collective; spans show
+in torch.profiler; a model once traced trains exactly as one never traced."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_compose import StepTrace, fully_shard
+from tests.dist.parity import make_mesh, max_diff_to, per_block
+from tests.dist.test_collectives import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
+from tests.models import Transformer, lm_loss, token_batch
+
+
+def annotated() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = Transformer()
+    per_block(model, fully_shard, mesh=make_mesh())
+    lm_loss(model, token_batch(0, 2)).backward()  # the first step: lazy init
+    return model
+
+
+def unit_bytes(params: list[torch.Tensor], world: int) -> int:
+    """A unit's all-gather (and reduce-scatter) buffer: every rank's padded shards, float32."""
+    return 4 * world * sum(math.ceil(p.shape[0] / world) * p[0].numel() for p in params)
+
+
+def check_spans(path: str) -> dict[str, object]:
+    model = annotated()
+    world = dist.get_world_size()
+    with CollectiveCounter() as counter, StepTrace(model) as trace:
+        lm_loss(model, token_batch(1, 2)).backward()
+    trace.save_chrome(path)
+    root_own = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    expected = {
+        "": unit_bytes(root_own, world),
+        **{f"blocks.{i}": unit_bytes(list(b.parameters()), world) for i, b in enumerate(model.blocks)},
+    }
+    spans = sorted(trace.spans, key=lambda s: s.start)
+    return {
+        "expected": expected,
+        "gathers": [(s.phase, s.unit, s.nbytes) for s in spans if s.kind == "all-gather"],
+        "reductions": [(s.unit, s.nbytes) for s in spans if s.kind == "reduce-scatter"],
+        "forward computes": [s.unit for s in spans if s.kind == "compute" and s.phase == "forward"],
+        "counted": {ALL_GATHER: counter.counts[ALL_GATHER], REDUCE_SCATTER: counter.counts[REDUCE_SCATTER]},
+        "table": trace.table(),
+    }
+
+
+def test_spans_hold_the_analytic_bytes_in_order(ranks, tmp_path):
+    path = str(tmp_path / "trace.json")
+    result = ranks.run(check_spans, path=path)[0]
+    b = result["expected"]
+    # Forward gathers root then blocks; backward gathers the blocks again (the root keeps
+    # its parameters) from the last, and reduces from the last block to the root.
+    assert result["gathers"] == [
+        ("forward", "", b[""]), ("forward", "blocks.0", b["blocks.0"]),
+        ("forward", "blocks.1", b["blocks.1"]), ("backward", "blocks.1", b["blocks.1"]),
+        ("backward", "blocks.0", b["blocks.0"]),
+    ]
+    assert result["reductions"] == [("blocks.1", b["blocks.1"]), ("blocks.0", b["blocks.0"]), ("", b[""])]
+    assert result["forward computes"] == ["", "blocks.0", "blocks.1"]
+    assert "blocks.1" in result["table"] and "not hidden by compute" in result["table"]
+    # The Chrome trace: rank lanes, and one event per collective each rank issued.
+    events = json.loads(open(path).read())["traceEvents"]
+    for rank in range(2):
+        lanes = {e["args"]["name"]: e["tid"] for e in events
+                 if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == rank}
+        for kind, op in (("all-gather", ALL_GATHER), ("reduce-scatter", REDUCE_SCATTER)):
+            issued = [e for e in events if e["ph"] == "X" and e["pid"] == rank and e["tid"] == lanes[kind]]
+            assert len(issued) == result["counted"][op], kind
+    assert any(e["ph"] == "C" and e["name"] == "memory" for e in events)
+
+
+def check_profiler_labels() -> list[str]:
+    model = annotated()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        with StepTrace(model):
+            lm_loss(model, token_batch(1, 2)).backward()
+    return sorted({e.key for e in profile.key_averages() if e.key.startswith("fsdp::")})
+
+
+def test_spans_show_in_torch_profiler(ranks):
+    labels = ranks.run(check_profiler_labels)[0]
+    assert "fsdp::blocks.0 all-gather forward" in labels
+    assert "fsdp::blocks.1 reduce-scatter" in labels
+
+
+def check_untraced_after() -> float:
+    model, other = annotated(), annotated()  # the same, built twice
+    with StepTrace(model):
+        lm_loss(model, token_batch(1, 2)).backward()
+    lm_loss(other, token_batch(1, 2)).backward()
+    for m in (model, other):
+        for p in m.parameters():
+            p.grad = None
+    for step in range(2, 4):
+        for m in (model, other):
+            lm_loss(m, token_batch(step, 2)).backward()
+    return max_diff_to(model, other, grads=True)
+
+
+def test_trains_the_same_after_a_trace(ranks):
+    assert ranks.run(check_untraced_after) == [0.0, 0.0]
+
+
+def check_png(path: str) -> int:
+    pytest.importorskip("matplotlib")
+    model = annotated()
+    with StepTrace(model) as trace:
+        lm_loss(model, token_batch(1, 2)).backward()
+    path = f"{path}.{dist.get_rank()}.png"
+    trace.save_png(path)
+    return len(open(path, "rb").read())
+
+
+def test_png(ranks, tmp_path):
+    pytest.importorskip("matplotlib")
+    sizes = ranks.run(check_png, path=str(tmp_path / "rank"))
+    assert all(size > 10_000 for size in sizes)
