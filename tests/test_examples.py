@@ -3,6 +3,7 @@ mid-training resumes from the last checkpoint and ends bit-identical."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,15 +20,19 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 TRAIN_GPT = str(ROOT / "examples" / "train_gpt.py")
 
 
-def test_train_gpt_loss_goes_down():
+def test_train_gpt_loss_goes_down(tmp_path):
     result = subprocess.run(
-        [*TORCHRUN, TRAIN_GPT, "--steps", "12"],
+        [*TORCHRUN, TRAIN_GPT, "--steps", "12", "--trace", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-5000:]
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", result.stdout)]
     assert len(losses) == 12, result.stdout
     assert losses[-1] < 0.7 * losses[0], losses
+    # --trace: the last step's table (a row per block and pass) and both ranks' Chrome trace.
+    assert len(re.findall(r"^(forward|backward)\s+blocks\.\d", result.stdout, re.MULTILINE)) == 8
+    events = json.loads((tmp_path / "step.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
 
 
 def _children(pid: int) -> list[int]:
