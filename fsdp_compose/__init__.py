@@ -9,6 +9,7 @@ from ._fsdp_module import FSDPModule, GradientReductionHandle, UnshardHandle
 from ._fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from ._init import materialize
 from ._meshes import DataParallelMeshDims
+from ._planner import Plan, Setup, plan
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._replicate import replicate
 from ._trace import StepTrace
@@ -23,6 +24,8 @@ __all__ = [
     "Int8RowCodec",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "Plan",
+    "Setup",
     "StepTrace",
     "UnshardHandle",
     "WrapPolicy",
@@ -33,6 +36,7 @@ __all__ = [
     "load_checkpoint",
     "load_full_state_dict",
     "materialize",
+    "plan",
     "register_fsdp_forward_method",
     "replicate",
     "save_checkpoint",

@@ -12,7 +12,6 @@ _trace_report.py.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,26 +22,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._hooks import UnitState, state_of
-from ._trace_report import chrome_trace, draw_timeline, unit_table
+from ._trace_report import (
+    ALL_GATHER, BACKWARD, COMPUTE, FORWARD, REDUCE_SCATTER, Span, chrome_trace, draw_timeline,
+    unit_table,
+)
 from ._unit import Unit
-
-FORWARD, BACKWARD = "forward", "backward"
-ALL_GATHER, REDUCE_SCATTER, COMPUTE = "all-gather", "reduce-scatter", "compute"
-
-
-@dataclasses.dataclass
-class Span:
-    """One thing a unit did, in seconds since the trace opened."""
-
-    unit: str  # the unit's modules' fqn under the root ("" for the root)
-    kind: str  # ALL_GATHER, REDUCE_SCATTER or COMPUTE
-    phase: str  # FORWARD or BACKWARD
-    start: float
-    end: float
-    blocked: float = 0.0  # communication: seconds the rank spent in its calls (not hidden)
-    nbytes: int = 0  # communication: the collective's whole buffer
-    memory: int = 0  # bytes held when it ended (see StepTrace.memory)
-
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1

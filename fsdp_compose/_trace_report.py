@@ -1,15 +1,29 @@
-"""A StepTrace's spans as a table, a Chrome trace and a picture."""
+"""What a StepTrace records (Span), and its spans as a table, a Chrome trace and a picture."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ._trace import Span
+FORWARD, BACKWARD = "forward", "backward"
+ALL_GATHER, REDUCE_SCATTER, COMPUTE = "all-gather", "reduce-scatter", "compute"
+_LANES = (COMPUTE, ALL_GATHER, REDUCE_SCATTER)
 
-_LANES = ("compute", "all-gather", "reduce-scatter")
+
+@dataclasses.dataclass
+class Span:
+    """One thing a unit did, in seconds since the trace opened."""
+
+    unit: str  # the unit's modules' fqn under the root ("" for the root)
+    kind: str  # ALL_GATHER, REDUCE_SCATTER or COMPUTE
+    phase: str  # FORWARD or BACKWARD
+    start: float
+    end: float
+    blocked: float = 0.0  # communication: seconds the rank spent in its calls (not hidden)
+    nbytes: int = 0  # communication: the collective's whole buffer
+    memory: int = 0  # bytes held when it ended (see StepTrace.memory)
 _MIB = 2**20
 
 

@@ -1,0 +1,196 @@
+"""plan(): try candidate setups of a model in one process before running it, and rank them.
+
+Each candidate (blocks per unit, reshard_after_forward, activation checkpointing every n
+blocks) trains two steps as rank 0 of a `world_size`-rank job on the fake process group,
+which fills the collectives' outputs without other processes: the shapes, sizes and
+allocations are the real job's. torch's MemTracker gives the peak of tracked tensor
+memory per rank (parameters, gradients, optimizer state, activations, buffers), a dispatch
+counter the bytes of every collective. A candidate fits when its peak is within the
+budget. CPU offload moves shards, gradients and optimizer state off the accelerator; on a
+CPU-only machine there is no device memory to save, so it is not a candidate there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._activation_checkpointing import checkpoint_blocks
+from ._fully_shard import fully_shard
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One way to annotate a model whose blocks are `model.<blocks>` (a ModuleList)."""
+
+    blocks_per_unit: int = 1
+    reshard_after_forward: bool | int = True
+    checkpoint_every: int | None = None  # checkpoint_blocks(every=...), or no recomputation
+
+    def apply(self, model: nn.Module, blocks: str) -> None:
+        """Annotate `model` (not yet annotated) this way; `blocks` names its ModuleList."""
+        layers = _layers(model, blocks)
+        if self.checkpoint_every is not None:
+            checkpoint_blocks(model, type(layers[0]), every=self.checkpoint_every)
+        k = self.blocks_per_unit
+        for i in range(0, len(layers), k):
+            group = list(layers[i:i + k])
+            fully_shard(group if k > 1 else group[0], reshard_after_forward=self.reshard_after_forward)
+        fully_shard(model)
+
+    def code(self, blocks: str, block_class: str) -> str:
+        """The calls that realise it, for a model named `model`."""
+        lines = []
+        if self.checkpoint_every is not None:
+            lines.append(f"checkpoint_blocks(model, {block_class}, every={self.checkpoint_every})")
+        option = "" if self.reshard_after_forward is True else (
+            f", reshard_after_forward={self.reshard_after_forward}"
+        )
+        k = self.blocks_per_unit
+        if k == 1:
+            lines.append(f"for block in model.{blocks}:\n    fully_shard(block{option})")
+        else:
+            lines.append(f"for i in range(0, len(model.{blocks}), {k}):\n"
+                         f"    fully_shard(list(model.{blocks}[i:i + {k}]){option})")
+        lines.append("fully_shard(model)")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class Plan:
+    """A simulated setup: what it costs per rank and step."""
+
+    setup: Setup
+    peak_bytes: int  # tracked tensor memory per rank, at its peak
+    bytes_per_step: int  # every all-gather's and reduce-scatter's buffer, one step
+    fits: bool | None  # within the memory budget (None: no budget given)
+    code: str
+
+    def __str__(self) -> str:
+        fits = {True: "fits", False: "does not fit", None: ""}[self.fits]
+        s = self.setup
+        return (f"{s.blocks_per_unit} block(s)/unit, reshard_after_forward={s.reshard_after_forward}, "
+                f"checkpoint every {s.checkpoint_every or '-'}: peak {size(self.peak_bytes)}, "
+                f"{size(self.bytes_per_step)}/step communicated {fits}".rstrip())
+
+
+def size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps a number of at least 1."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def plan(
+    build_model: Callable[[], nn.Module], *, world_size: int, sample_input: Any,
+    memory_budget: int | None = None, loss_fn: LossFn | None = None,
+    setups: Sequence[Setup] | None = None, blocks: str | None = None,
+) -> list[Plan]:
+    """Simulate `setups` (default: `candidates(...)`) of the model `build_model()` builds,
+    trained with AdamW on `sample_input` (one rank's batch; `loss_fn(model, input)`, default
+    the output's sum), as rank 0 of `world_size` ranks, in this process (no process group
+    may be initialised). Returns them ranked: those that fit `memory_budget` (bytes) first,
+    then by less recomputation, fewer bytes communicated, lower peak."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "plan: a process group is initialised here; plan() simulates its own (fake) one. "
+            "Call it before init_process_group, or in a separate process."
+        )
+    model = build_model()
+    blocks = blocks or _blocks_attribute(model)
+    setups = list(setups) if setups is not None else candidates(world_size, len(_layers(model, blocks)))
+    del model
+    plans = [_simulate(build_model, s, world_size, sample_input, loss_fn or _sum, blocks) for s in setups]
+    for p in plans:
+        p.fits = None if memory_budget is None else p.peak_bytes <= memory_budget
+    recompute = {p.setup: 1 / p.setup.checkpoint_every if p.setup.checkpoint_every else 0.0 for p in plans}
+    return sorted(plans, key=lambda p: (p.fits is False, recompute[p.setup], p.bytes_per_step, p.peak_bytes))
+
+
+def candidates(world_size: int, num_blocks: int) -> list[Setup]:
+    """Blocks per unit 1 and 2 (and all of them), reshard_after_forward True, False and (for
+    4 ranks or more) half the ranks, checkpointing none, every other block, every block."""
+    per_unit = sorted({k for k in (1, 2, num_blocks) if 1 <= k <= num_blocks})
+    reshard: list[bool | int] = [True, False] + ([world_size // 2] if world_size >= 4 else [])
+    return [
+        Setup(k, r, c) for k in per_unit for r in reshard for c in (None, 2, 1)
+    ]
+
+
+def _sum(model: nn.Module, batch: Any) -> torch.Tensor:
+    output = model(batch)
+    return (output if isinstance(output, torch.Tensor) else output[0]).sum()
+
+
+def _blocks_attribute(model: nn.Module) -> str:
+    """The dotted name of the model's largest ModuleList of one class (its blocks)."""
+    lists = [
+        (len(m), name) for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) and len({type(b) for b in m}) == 1
+    ]
+    if not lists:
+        raise ValueError(f"plan: {type(model).__name__} has no ModuleList of blocks; pass blocks=")
+    name: str = max(lists)[1]
+    return name
+
+
+def _layers(model: nn.Module, blocks: str) -> nn.ModuleList:
+    layers = model.get_submodule(blocks)
+    assert isinstance(layers, nn.ModuleList), f"model.{blocks} is not a ModuleList"
+    return layers
+
+
+class _CollectiveBytes(TorchDispatchMode):
+    """The buffer bytes of every all-gather and reduce-scatter dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func._schema.name
+        if func.namespace == "c10d" and ("allgather" in name or "reduce_scatter" in name):
+            tensors = [t for t in args[:2] if isinstance(t, torch.Tensor)]
+            self.nbytes += max((t.numel() * t.element_size() for t in tensors), default=0)
+        return func(*args, **(kwargs or {}))
+
+
+def _simulate(
+    build_model: Callable[[], nn.Module], setup: Setup, world_size: int, sample_input: Any,
+    loss_fn: LossFn, blocks: str,
+) -> Plan:
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # no public fake group
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        model = build_model()
+        setup.apply(model, blocks)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tracker = MemTracker()
+        tracker.track_external(model, optim)
+        with tracker:
+            for _ in range(2):  # the second step holds AdamW's state too
+                loss_fn(model, sample_input).backward()
+                optim.step()
+                optim.zero_grad()
+                tracker.reset_mod_stats()  # (per-module statistics; the peak stays)
+        peaks = tracker.get_tracker_snapshot("peak")
+        peak = int(sum(by_kind["Total"] for by_kind in peaks.values()))
+        with _CollectiveBytes() as counted:
+            loss_fn(model, sample_input).backward()
+        optim.zero_grad()
+        block_class = type(_layers(model, blocks)[0]).__name__
+        return Plan(setup, peak, counted.nbytes, None, setup.code(blocks, block_class))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,100 @@
+"""python -m fsdp_compose.plan: rank setups of the example GPT or a Hugging Face Llama
+before running them (see fsdp_compose.plan).
+
+    python -m fsdp_compose.plan --model gpt --world-size 8 --budget 64MiB
+    python -m fsdp_compose.plan --model llama --world-size 64 --dim 512 --depth 8 --budget 1GiB
+
+Sizes and batches are one rank's; the GPT is examples/train_gpt.py's (from a source
+checkout), the Llama transformers' LlamaForCausalLM with a tiny config unless told.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ._planner import plan, size
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """"64MiB", "1.5GB", "2048" (bytes) as bytes (binary units either way)."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)i?b?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MiB, 2GiB)")
+    return int(float(match[1]) * _UNITS[match[2]])
+
+
+def _gpt(args: argparse.Namespace) -> Callable[[], nn.Module]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from train_gpt import GPT  # type: ignore[import-not-found]
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model: nn.Module = GPT(args.vocab, args.dim, args.heads, args.depth, args.seq)
+        return model
+    return build
+
+
+def _llama(args: argparse.Namespace) -> Callable[[], nn.Module]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=4 * args.dim,
+        num_hidden_layers=args.depth, num_attention_heads=args.heads,
+        num_key_value_heads=max(1, args.heads // 2), max_position_embeddings=args.seq,
+    )
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model: nn.Module = LlamaForCausalLM(config)
+        return model
+    return build
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("gpt", "llama"), default="gpt")
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--budget", type=parse_size, help="memory per rank, e.g. 64MiB")
+    parser.add_argument("--vocab", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    args = parser.parse_args(argv)
+    tokens = torch.randint(args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    if args.model == "gpt":
+        build = _gpt(args)
+
+        def loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+            logits = model(batch[:, :-1])
+            return nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    else:
+        build = _llama(args)
+
+        def loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+            return model(input_ids=batch, labels=batch).loss  # type: ignore[no-any-return]
+    plans = plan(build, world_size=args.world_size, sample_input=tokens,
+                 memory_budget=args.budget, loss_fn=loss)
+    budget = f", budget {size(args.budget)} per rank" if args.budget else ""
+    print(f"{args.model}, {args.world_size} ranks{budget}; best first:")
+    for p in plans:
+        print(f"  {p}")
+    best = plans[0]
+    if best.fits is not False:
+        print("\nrealised by:\n" + best.code)
+    else:
+        print("\nno setup fits the budget: more ranks, or a smaller batch per rank")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""plan(): its predicted peak memory per rank is within 10 % of a real 2-rank gloo run of
+the same setup, its bytes per step are the run's, and the setup it ranks first under a
+budget fits that budget when run."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fsdp_compose import Setup, plan
+from tests.dist.test_collectives import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
+from tests.models import Transformer, lm_loss, token_batch
+
+SETUPS = [
+    Setup(blocks_per_unit=1, reshard_after_forward=True),
+    Setup(blocks_per_unit=2, reshard_after_forward=False),
+    Setup(blocks_per_unit=1, reshard_after_forward=True, checkpoint_every=1),
+]
+
+
+def build() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Transformer(dim=32, heads=4, depth=4)
+
+
+def batch() -> torch.Tensor:
+    return token_batch(0, 8)  # one rank's
+
+
+def check_measured(setup: Setup) -> tuple[int, int]:
+    """Rank 0's tracked peak over two steps, and one step's collective bytes, for real."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = build()
+    setup.apply(model, "blocks")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracker = MemTracker()
+    tracker.track_external(model, optim)
+    with tracker:
+        for _ in range(2):
+            lm_loss(model, batch()).backward()
+            optim.step()
+            optim.zero_grad()
+            tracker.reset_mod_stats()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    with CollectiveCounter() as counter:
+        lm_loss(model, batch()).backward()
+    return peak, counter.bytes[ALL_GATHER] + counter.bytes[REDUCE_SCATTER]
+
+
+def test_predictions_match_real_runs(ranks):
+    plans = {p.setup: p for p in plan(build, world_size=2, sample_input=batch(), loss_fn=lm_loss, setups=SETUPS)}
+    for setup in SETUPS:
+        measured_peak, measured_bytes = ranks.run(check_measured, setup=setup)[0]
+        predicted = plans[setup]
+        assert abs(predicted.peak_bytes - measured_peak) <= 0.10 * measured_peak, (setup, predicted, measured_peak)
+        assert predicted.bytes_per_step == measured_bytes, setup
+    # The setups differ: reshard_after_forward=False holds more, checkpointing less.
+    peaks = [plans[s].peak_bytes for s in SETUPS]
+    assert peaks[1] > peaks[0] > peaks[2], peaks
+
+
+def test_the_first_under_a_budget_fits_it(ranks):
+    free = plan(build, world_size=2, sample_input=batch(), loss_fn=lm_loss, setups=SETUPS)
+    budget = sorted(p.peak_bytes for p in free)[1]  # room for two of the three
+    ranked = plan(build, world_size=2, sample_input=batch(), loss_fn=lm_loss, setups=SETUPS,
+                  memory_budget=budget)
+    assert [p.fits for p in ranked].count(True) == 2 and ranked[0].fits
+    assert "fully_shard(model)" in ranked[0].code
+    measured_peak, _ = ranks.run(check_measured, setup=ranked[0].setup)[0]
+    assert measured_peak <= budget
