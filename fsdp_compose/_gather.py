@@ -194,8 +194,10 @@ class Gatherer:
             self._flat_needs_cast = self._flat.dtype != dtype or self._flat.device != device
             self._spec = ((rows, unit.shard_numel), dtype, device)
         unit.layout_changed()
-        plain = [p for p in params if p.extension is None]
-        buffers = _unsharded_buffers(plain, rows, unit.sizes, dtype, device) if plain else []
+        plain = [(p, n) for p, n in zip(params, unit.sizes) if p.extension is None]
+        buffers = _unsharded_buffers(
+            [p for p, _ in plain], rows, [n for _, n in plain], dtype, device
+        ) if plain else []
         # Freed by resizing to 0 rather than dropped: autograd may have saved the unsharded
         # parameters, and what it saved must see the data of the next all-gather.
         self._unsharded_storages = [(b.untyped_storage(), b.nbytes) for b in buffers]

@@ -243,3 +243,24 @@ def test_own_subclass_like_torch(ranks):
     for loss_diff, param_diff, shard_class in ranks.run(check_own_subclass_like_torch, world_size=2):
         assert loss_diff == 0.0 and param_diff == 0.0
         assert shard_class == "Pair"
+
+
+def check_plain_parameter_beside_a_hooked_one() -> float:
+    """A unit whose first weight gathers through hooks and whose larger second weight
+    gathers plainly: the plain one computes with its own values (its unsharded storage sized
+    for it), the hooked one with its bfloat16 rounding."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 2, bias=False), nn.Linear(2, 8, bias=False))
+    ours = copy.deepcopy(ref)
+    fully_shard(ours, mesh=make_mesh())
+    local = ours[0].weight._local_tensor
+    local.fsdp_pre_all_gather = pre_all_gather.__get__(local)
+    local.fsdp_post_all_gather = post_all_gather.__get__(local)
+    with torch.no_grad():
+        ref[0].weight.copy_(ref[0].weight.to(torch.bfloat16).float())
+    x = torch.randn(3, 6)
+    return max_diff(ours(x), ref(x))
+
+
+def test_plain_parameter_beside_a_hooked_one(ranks):
+    assert ranks.run(check_plain_parameter_beside_a_hooked_one) == [0.0, 0.0]
