@@ -7,7 +7,7 @@ With the fake process group nothing is sent, so a training step's time minus the
 model's unsharded step, divided by the number of units, is CPU time per unit per forward +
 backward. Part of it is the fake group's own: it still copies every rank's shard into the
 gathered output and chunks the reduce-scatter's input. A second fsdp_compose model ran one
-step under a StepTrace before timing: closed, a trace should cost nothing. Further rounds
+step under a StepTrace before timing (what a closed trace leaves behind). Further rounds
 time the calls into
 the process group, for both runtimes, and report what remains as the runtime's own. On a
 one-rank gloo group both runtimes skip communication altogether. The contenders run
@@ -118,7 +118,7 @@ def main() -> None:
         "unsharded": build(args.units, args.dim, None),
         "torch fully_shard": build(args.units, args.dim, torch_fully_shard),
         "fsdp_compose": build(args.units, args.dim, fully_shard),
-        # A StepTrace opened and closed leaves nothing behind: the same cost as never traced.
+        # What a StepTrace, opened and closed, leaves behind.
         "after a StepTrace": build(args.units, args.dim, fully_shard),
     }
     for model in models.values():

@@ -4,6 +4,7 @@
     python benchmarks/overhead.py                    # benchmarks/results/overhead.json (fake)
     python benchmarks/overhead.py --backend gloo     #   ... and its gloo column
     python benchmarks/scale.py                       # benchmarks/results/scale.json
+    torchrun --nproc_per_node=2 benchmarks/full_state_dict.py   # .../full_state_dict.json
     python benchmarks/report.py                      # docs/performance.md and .png
 
 Every figure on the page, and every statement that depends on one, comes from the results;
@@ -28,6 +29,7 @@ BENCHMARKS = {  # name: the command that writes its JSON
     "step": "torchrun --nproc_per_node=2 benchmarks/step.py",
     "overhead": "python benchmarks/overhead.py, and with --backend gloo",
     "scale": "python benchmarks/scale.py",
+    "full_state_dict": "torchrun --nproc_per_node=2 benchmarks/full_state_dict.py",
 }
 # The machine the CPU-overhead goal was set on: FSDP2's cost per unit there, and the goal.
 # They are not this run's figures (this run's FSDP2 figure is set against them).
@@ -106,7 +108,7 @@ and reduce-scatter calls, timed in separate rounds; the rest is the runtime's ow
 
 {table}
 
-{spread}{goal}
+{spread}{goal}{traced}
 
 {calls} The fake group still copies every rank's shard into the gathered output{copies}{gloo}
 Next come a skeleton of the same hooks (pre/post-forward, a pre-hook on the output's node,
@@ -126,6 +128,28 @@ asked of the group or the tensors per call (in this setting every touch of a col
 object or tensor costs tenths of a microsecond); and reduced gradient shards are added with
 one op to `.grad`s that are still views of an earlier reduction. The rest is bookkeeping in
 Python.
+"""
+
+FULL_STATE_DICT = """\
+## Whole checkpoints
+
+Rank 0's peak memory while writing a whole checkpoint of a sharded model:
+`save_full_state_dict` (safetensors, a tensor gathered and written at a time) against
+torch.distributed.checkpoint's `get_model_state_dict(full_state_dict=True, cpu_offload=True)`
+followed by safetensors' `save_file` (the whole state dict on rank 0). The figure is the
+resident set's peak above what rank 0 held before, float32 weights:
+
+```bash
+{command}
+```
+
+{ranks} gloo ranks ({provenance}):
+
+{table}
+
+Streaming holds about one tensor at a time, whatever the model's size: twice the largest
+tensor here, as gloo's all-gather stages its output; the whole-state-dict way holds the
+whole model and more.
 """
 
 SCALE = """\
@@ -377,7 +401,7 @@ def overhead_section(results: dict) -> str:
         goal=overhead_goal(fake), calls=overhead_calls(first),
         copies=(" (nine tensor ops per all-gather at W = 8)" if fake and fake["config"]["world_size"] == 8
                 else ""),
-        gloo=overhead_gloo(fake, gloo),
+        gloo=overhead_gloo(fake, gloo), traced=overhead_traced(fake),
     )
 
 
@@ -414,6 +438,17 @@ def overhead_goal(fake: dict | None) -> str:
             f"per unit was set, so that goal is a ratio of about {goal:.3f}; fsdp_compose's "
             f"{r:.3f} is about {r * REFERENCE_FSDP2_US:.0f} µs there, "
             f"{'within' if r <= goal else 'above'} the goal.")
+
+
+def overhead_traced(fake: dict | None) -> str:
+    """The model that ran one step under a StepTrace before the timing, against the other."""
+    if not fake or "after a StepTrace" not in fake["variants"]:
+        return ""
+    v = fake["variants"]
+    traced, untraced = v["after a StepTrace"]["us_per_unit"], v["fsdp_compose"]["us_per_unit"]
+    return (f" A second fsdp_compose model that ran one step under a `StepTrace` first costs "
+            f"{us(traced)} per unit against {us(untraced)}: closed, a trace leaves nothing "
+            "behind (a model never traced runs no tracing code at all).")
 
 
 def overhead_calls(result: dict) -> str:
@@ -555,6 +590,24 @@ def plot_step(result: dict, path: Path) -> bool:
     return True
 
 
+# The whole-checkpoint benchmark.
+
+def full_state_dict_section(result: dict) -> str:
+    config = result["config"]
+    header = ["model", "weights", "largest tensor", "streamed", "DCP full state dict", "ratio"]
+    rows = []
+    for name, row in result["models"].items():
+        streamed = row["save_full_state_dict"]["peak_extra_mib"]
+        dcp = row["DCP full state dict"]["peak_extra_mib"]
+        rows.append([name, f"{row['whole_mib']:.1f} MiB", f"{row['largest_tensor_mib']:.1f} MiB",
+                     f"{streamed:.1f} MiB", f"{dcp:.1f} MiB", f"**{streamed / dcp:.2f}**"])
+    return FULL_STATE_DICT.format(
+        command=command("torchrun --nproc_per_node=2 benchmarks/full_state_dict.py", config, "CPU, gloo"),
+        ranks=config["world_size"], provenance=provenance(config),
+        table=table(header, "lrrrrr", rows),
+    )
+
+
 # The page.
 
 def load(results: Path) -> tuple[dict, list[str]]:
@@ -601,6 +654,8 @@ def render(found: dict, missing: list[str], results: Path, figure: str | None) -
         sections.append(overhead_section(found["overhead"]))
     if "scale" in found:
         sections.append(scale_section(found["scale"]))
+    if "full_state_dict" in found:
+        sections.append(full_state_dict_section(found["full_state_dict"]))
     return reflow("\n".join(sections)).rstrip() + "\n"
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from types import MethodType
 from typing import Any
 
 import torch
@@ -56,6 +57,10 @@ class StepTrace:
         self._undo: list[Callable[[], None]] = []
         self._origin = 0.0
         self._open: dict[tuple[int, str, str], Span] = {}  # spans begun, not yet ended
+        # Methods wrapped in their class while open: the class's own function, and the
+        # wrapper of each traced instance (by id).
+        self._originals: dict[tuple[type, str], Callable[..., Any]] = {}
+        self._routes: dict[tuple[type, str], dict[int, Callable[..., Any]]] = {}
         self._device: torch.device | None = None
 
     # -- opening and closing -----------------------------------------------------------------
@@ -73,23 +78,37 @@ class StepTrace:
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
+        self._originals.clear()
+        self._routes.clear()
 
     def _now(self) -> float:
         return time.perf_counter() - self._origin
 
     def _patch(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        """Set `owner.name` (an instance attribute) to `make(original)` until exit."""
-        had = name in vars(owner)
-        original = getattr(owner, name)
-        setattr(owner, name, make(original))
+        """Make `owner.name` call `make(original)` until exit. An instance attribute (a bound
+        method kept there) gets the wrapper as its value; a method of the class is wrapped
+        in the class, for `owner` only. (Adding and deleting instance attributes, or even
+        reading `vars(owner)`, would leave the instance's attributes slower to read after
+        the trace: CPython then keeps them in a dict of their own.)"""
+        cls = type(owner)
+        current = getattr(owner, name)
+        if not (isinstance(current, MethodType) and current.__self__ is owner
+                and current.__func__ is cls.__dict__.get(name)):
+            setattr(owner, name, make(current))
+            self._undo.append(lambda: setattr(owner, name, current))
+            return
+        if (cls, name) not in self._originals:  # the first of its class: route the class's
+            function = self._originals[cls, name] = cls.__dict__[name]
+            routes = self._routes[cls, name] = {}
 
-        def undo() -> None:
-            if had:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
+            def routed(this: Any, *args: Any, **kwargs: Any) -> Any:
+                traced = routes.get(id(this))
+                return traced(*args, **kwargs) if traced is not None else function(this, *args, **kwargs)
 
-        self._undo.append(undo)
+            setattr(cls, name, routed)
+            self._undo.append(lambda: setattr(cls, name, function))
+        original = MethodType(self._originals[cls, name], owner)
+        self._routes[cls, name][id(owner)] = make(original)
 
     def _hook(self, handle: RemovableHandle) -> None:
         self._undo.append(handle.remove)

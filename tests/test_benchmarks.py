@@ -216,6 +216,15 @@ def synthetic_scale() -> dict:
     ]}
 
 
+def synthetic_full_state_dict() -> dict:
+    row = {"whole_mib": 221.7, "largest_tensor_mib": 62.5,
+           "save_full_state_dict": {"peak_extra_mib": 125.1, "seconds": 1.0},
+           "DCP full state dict": {"peak_extra_mib": 284.5, "seconds": 1.0}}
+    config = {"world_size": 2, "argv": [], "date": "2026-11-25T12:00:00+00:00", "torch": "2.13.0+cpu",
+              "python": "3.11.7", "machine": {"platform": "Linux", "cpu": "AMD EPYC", "cpus": 2, "gpu": None}}
+    return {"config": config, "models": {"example GPT": row}}
+
+
 def write_results(folder: Path, **results: dict) -> Path:
     folder.mkdir()
     for name, result in results.items():
@@ -225,9 +234,11 @@ def write_results(folder: Path, **results: dict) -> Path:
 
 def test_report_puts_the_results_figures_on_the_page(tmp_path, capsys):
     results = write_results(tmp_path / "results", step=synthetic_step(), overhead=synthetic_overhead(),
-                            scale=synthetic_scale())
+                            scale=synthetic_scale(), full_state_dict=synthetic_full_state_dict())
     page = report_page(results, tmp_path / "docs")
     assert "missing" not in capsys.readouterr().out
+    # Whole checkpoints: rank 0's peaks and their ratio.
+    assert "| example GPT | 221.7 MiB | 62.5 MiB | 125.1 MiB | 284.5 MiB | **0.44** |" in page
     # Step: the table, the bytes against the floor, what the run was on, and the statements
     # made from the figures.
     for row in ("| fsdp_compose | 183.2 | **0.85** | 1.78 | 46,772 KiB | 0.91 |",
