@@ -50,6 +50,7 @@ torchrun --nproc_per_node=2 benchmarks/step.py   # step.json
 python benchmarks/overhead.py                    # overhead.json, fake process group
 python benchmarks/overhead.py --backend gloo     # overhead.json, one gloo rank
 python benchmarks/scale.py                       # scale.json
+torchrun --nproc_per_node=2 benchmarks/full_state_dict.py   # full_state_dict.json
 python benchmarks/report.py                      # docs/performance.md and performance.png
 ```
 {missing}"""

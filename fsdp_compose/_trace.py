@@ -29,6 +29,10 @@ from ._trace_report import (
 )
 from ._unit import Unit
 
+# The trace open now, if any: one at a time, as each wraps methods of the runtime's classes.
+_open: list[StepTrace] = []
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -66,12 +70,19 @@ class StepTrace:
     # -- opening and closing -----------------------------------------------------------------
 
     def __enter__(self) -> StepTrace:
+        if _open:
+            raise RuntimeError("StepTrace: another trace is open; one at a time (close it first).")
+        _open.append(self)
         self._origin = time.perf_counter()
-        for state in self._states:
-            self._device = state.unit.device
-            for part in state.unit.parts:
-                self._wrap_unit(state, part)
-            self._wrap_state(state)
+        try:
+            for state in self._states:
+                self._device = state.unit.device
+                for part in state.unit.parts:
+                    self._wrap_unit(state, part)
+                self._wrap_state(state)
+        except BaseException:
+            self.__exit__()  # what was wrapped so far, unwrapped
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -80,6 +91,7 @@ class StepTrace:
         self._undo.clear()
         self._originals.clear()
         self._routes.clear()
+        _open.remove(self)
 
     def _now(self) -> float:
         return time.perf_counter() - self._origin

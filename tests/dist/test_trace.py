@@ -123,3 +123,19 @@ def test_png(ranks, tmp_path):
     pytest.importorskip("matplotlib")
     sizes = ranks.run(check_png, path=str(tmp_path / "rank"))
     assert all(size > 10_000 for size in sizes)
+
+
+def check_one_at_a_time() -> str:
+    model = annotated()
+    with StepTrace(model):
+        with pytest.raises(RuntimeError) as raised:
+            with StepTrace(model):
+                pass
+    with StepTrace(model):  # the first closed: a new one opens
+        lm_loss(model, token_batch(1, 2)).backward()
+    return str(raised.value)
+
+
+def test_one_trace_at_a_time(ranks):
+    for message in ranks.run(check_one_at_a_time):
+        assert "another trace is open" in message
