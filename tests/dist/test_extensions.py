@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from fsdp_compose import fully_shard
+from fsdp_compose import MixedPrecisionPolicy, fully_shard
 from tests.dist.parity import make_mesh, max_diff, rank_share
 
 with warnings.catch_warnings():
@@ -39,13 +40,18 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_data", t)
 
 
-def check_torchao_like_torch(recipe: str) -> dict[str, object]:
+def check_torchao_like_torch(recipe: str, bf16: bool = False) -> dict[str, object]:
     config = {"bitnet": bitnet_training, "int8": int8_mixed_precision_training}[recipe]()
     models = [quantized_mlp(config), quantized_mlp(config)]
-    for model, shard in zip(models, (fully_shard, torch_fully_shard)):
+    # With bf16 the hooks get the policy and cast what they send (torchao's int8 does).
+    policies: list[dict[str, object]] = [{}, {}]
+    if bf16:
+        policies = [{"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)},
+                    {"mp_policy": TorchMixedPrecisionPolicy(param_dtype=torch.bfloat16)}]
+    for model, shard, policy in zip(models, (fully_shard, torch_fully_shard), policies):
         for i in (0, 2):
-            shard(model[i], mesh=make_mesh())
-        shard(model, mesh=make_mesh())
+            shard(model[i], mesh=make_mesh(), **policy)
+        shard(model, mesh=make_mesh(), **policy)
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     losses, loss_diff, param_diff = [], 0.0, 0.0
     for step in range(4):
@@ -67,9 +73,9 @@ def check_torchao_like_torch(recipe: str) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("recipe", ["bitnet", "int8"])
-def test_torchao_quantized_training_like_torch(ranks, recipe):
-    for result in ranks.run(check_torchao_like_torch, recipe=recipe, world_size=2):
+@pytest.mark.parametrize("recipe, bf16", [("bitnet", False), ("int8", False), ("int8", True)])
+def test_torchao_quantized_training_like_torch(ranks, recipe, bf16):
+    for result in ranks.run(check_torchao_like_torch, recipe=recipe, bf16=bf16, world_size=2):
         assert result["loss_diff"] == 0.0 and result["param_diff"] == 0.0, result
         expected = {"bitnet": "BitNetTrainingLinearWeight", "int8": "Int8MixedPrecisionTrainingLinearWeight"}
         assert result["shard_class"] == expected[recipe], result

@@ -238,3 +238,21 @@ def test_checkpoint_loads_at_another_world_size(ranks, tmp_path):
     saved = ranks.run(check_save_on_dim_1, path=str(tmp_path), world_size=2)[0]
     for loaded in ranks.run(check_load_on_dim_1, path=str(tmp_path), world_size=4):
         assert loaded == saved
+
+
+def check_with_policies() -> list[float]:
+    """Dim-1 shards under bf16 mixed precision and under CPU offload: as torch's."""
+    from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return [
+        train_and_compare(Transformer, lm_loss, token_batch, shard_placement_fn=shard_dim_1,
+                          mp_policy=bf16, reference_tolerance={"rtol": 5e-2, "atol": 5e-2}).vs_torch,
+        train_and_compare(Transformer, lm_loss, token_batch, shard_placement_fn=shard_dim_1,
+                          offload_policy=CPUOffloadPolicy(pin_memory=False)).vs_torch,
+    ]
+
+
+def test_with_mixed_precision_and_offload(ranks):
+    for errors in ranks.run(check_with_policies):
+        assert errors == [0.0, 0.0]
