@@ -49,7 +49,7 @@ def save_full_state_dict(
     `max_shard_size` bytes, as `save_pretrained` writes them) or a file name ending in
     `.safetensors` (one file). Tensors are gathered and written one at a time: the first
     rank holds at most one whole tensor beyond its shards. Call on every rank."""
-    state = model.state_dict()  # sharded DTensors: nothing is gathered yet
+    state = _tensors(model, "save_full_state_dict")  # sharded DTensors: nothing gathered yet
     entries: Entries = [(k, t.dtype, tuple(t.shape)) for k, t in state.items()]
     writing = _is_first_rank()
     files = _plan_files(Path(path), entries, max_shard_size)
@@ -72,7 +72,7 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
     reads one tensor at a time and sends it to every rank, which keeps its shard (loaded
     every `_LOAD_BATCH` bytes). Missing or unexpected names and mismatched shapes raise the
     same error on every rank before any tensor is sent. Call on every rank."""
-    state = model.state_dict()
+    state = _tensors(model, "load_full_state_dict")
     saved = _headers(Path(path)) if _is_first_rank() else None
     if dist.is_initialized():
         shared = [saved]
@@ -92,6 +92,18 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
             model.load_state_dict(batch, strict=False)  # whole tensors: each rank keeps its shard
             batch, size = {}, 0
     model.load_state_dict(batch, strict=False)
+
+
+def _tensors(model: nn.Module, caller: str) -> dict[str, torch.Tensor]:
+    """The model's state dict, refused (on every rank alike) if it holds anything but
+    tensors (a module's extra state), which safetensors cannot store."""
+    state = model.state_dict()
+    if others := [k for k, v in state.items() if not isinstance(v, torch.Tensor)]:
+        raise ValueError(
+            f"{caller}: {others} are not tensors (a module's extra state); safetensors stores "
+            "tensors only. Save such models with save_checkpoint."
+        )
+    return state
 
 
 def _is_first_rank() -> bool:

@@ -120,3 +120,24 @@ def test_mismatch_refused_on_every_rank(ranks, tmp_path):
     for (message,) in ranks.run(check_refused, path=path):
         assert "does not match the model" in message
         assert "shape mismatches" in message and "'tok_emb.weight': checkpoint (31, 12), model (31, 16)" in message
+
+
+class WithExtraState(torch.nn.Linear):
+    def get_extra_state(self) -> dict:
+        return {"step": 3}
+
+    def set_extra_state(self, state: dict) -> None:
+        pass
+
+
+def check_extra_state_refused(path: str) -> str:
+    model = WithExtraState(4, 4)
+    fully_shard(model, mesh=make_mesh())
+    with pytest.raises(ValueError) as raised:
+        save_full_state_dict(model, path)
+    return str(raised.value)
+
+
+def test_extra_state_refused_on_every_rank(ranks, tmp_path):
+    for message in ranks.run(check_extra_state_refused, path=str(tmp_path)):
+        assert "['_extra_state'] are not tensors" in message
