@@ -130,12 +130,21 @@ class StepTrace:
     def _name(self, state: UnitState) -> str:
         return state.unit.fqn_prefix.rstrip(".")
 
-    def _begin(self, state: UnitState, kind: str, phase: str, start: float, **fields: Any) -> None:
-        self._open[id(state), kind, phase] = Span(self._name(state), kind, phase, start, start, **fields)
+    def _begin(
+        self, state: UnitState, kind: str, phase: str, start: float, by: object = None,
+        **fields: Any,
+    ) -> None:
+        """A span of `state`'s unit begins; `by` (default the unit) tells apart the spans of
+        one unit that overlap (its parts' collectives, with parameters on several meshes)."""
+        key = id(state if by is None else by), kind, phase
+        self._open[key] = Span(self._name(state), kind, phase, start, start, **fields)
 
-    def _end(self, state: UnitState, kind: str, phase: str | None = None, blocked: float = 0.0) -> None:
+    def _end(
+        self, state: UnitState, kind: str, phase: str | None = None, blocked: float = 0.0,
+        by: object = None,
+    ) -> None:
         for p in (phase,) if phase else (FORWARD, BACKWARD):
-            span = self._open.pop((id(state), kind, p), None)
+            span = self._open.pop((id(state if by is None else by), kind, p), None)
             if span is not None:
                 span.end = self._now()
                 span.blocked += blocked
@@ -159,7 +168,8 @@ class StepTrace:
                 with torch.profiler.record_function(f"fsdp::{self._name(state)} all-gather {phase}"):
                     gather = original(*args, **kwargs)
                 nbytes = gather.gathered.numel() * gather.gathered.element_size()
-                self._begin(state, ALL_GATHER, phase, begun, nbytes=nbytes, blocked=self._now() - begun)
+                self._begin(state, ALL_GATHER, phase, begun, by=part, nbytes=nbytes,
+                            blocked=self._now() - begun)
                 return gather
             return traced
 
@@ -168,7 +178,7 @@ class StepTrace:
                 begun = self._now()
                 with torch.profiler.record_function(f"fsdp::{self._name(state)} all-gather wait"):
                     result = original(*args, **kwargs)
-                self._end(state, ALL_GATHER, blocked=self._now() - begun)
+                self._end(state, ALL_GATHER, blocked=self._now() - begun, by=part)
                 return result
             return traced
 
@@ -181,7 +191,7 @@ class StepTrace:
                 if started:
                     rows = reducer._pending.input if reducer._pending is not None else None
                     nbytes = 0 if rows is None else rows.numel() * rows.element_size()
-                    self._begin(state, REDUCE_SCATTER, BACKWARD, begun, nbytes=nbytes,
+                    self._begin(state, REDUCE_SCATTER, BACKWARD, begun, by=part, nbytes=nbytes,
                                 blocked=self._now() - begun)
                 return started
             return traced
@@ -191,7 +201,7 @@ class StepTrace:
                 begun = self._now()
                 with torch.profiler.record_function(f"fsdp::{self._name(state)} reduce-scatter wait"):
                     result = original(*args, **kwargs)
-                self._end(state, REDUCE_SCATTER, BACKWARD, blocked=self._now() - begun)
+                self._end(state, REDUCE_SCATTER, BACKWARD, blocked=self._now() - begun, by=part)
                 return result
             return traced
 

@@ -139,3 +139,30 @@ def check_one_at_a_time() -> str:
 def test_one_trace_at_a_time(ranks):
     for message in ranks.run(check_one_at_a_time):
         assert "another trace is open" in message
+
+
+def check_parameters_on_two_meshes() -> tuple[list[tuple[str, str, int]], dict[str, int]]:
+    """A unit whose (36, 12) weights are on an HSDP mesh of their own gathers twice per
+    pass: both all-gathers are spans of their own."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    info = HSDPMeshInfo(make_mesh((2, 2)), shard_mesh_dim=1, replicate_mesh_dim=0)
+    torch.manual_seed(0)
+    model = Transformer()
+    per_block(model, fully_shard, mesh=make_mesh(), shard_placement_fn=lambda p: (
+        ShardPlacementResult(Shard(0), info) if p.shape == (36, 12) else None))
+    lm_loss(model, token_batch(0, 4)).backward()
+    with CollectiveCounter() as counter, StepTrace(model) as trace:
+        lm_loss(model, token_batch(1, 4)).backward()
+    spans = [(s.unit, s.kind, s.nbytes) for s in sorted(trace.spans, key=lambda s: s.start)
+             if s.kind != "compute"]
+    return spans, {ALL_GATHER: counter.counts[ALL_GATHER], REDUCE_SCATTER: counter.counts[REDUCE_SCATTER]}
+
+
+def test_parameters_on_two_meshes(ranks):
+    spans, counted = ranks.run(check_parameters_on_two_meshes, world_size=4)[0]
+    assert sum(kind == "all-gather" for _, kind, _ in spans) == counted[ALL_GATHER]
+    assert sum(kind == "reduce-scatter" for _, kind, _ in spans) == counted[REDUCE_SCATTER]
+    block_gathers = [n for unit, kind, n in spans if unit == "blocks.0" and kind == "all-gather"]
+    assert len(block_gathers) == 4 and len(set(block_gathers)) == 2  # two meshes, two passes
