@@ -6,8 +6,9 @@ which fills the collectives' outputs without other processes: the shapes, sizes 
 allocations are the real job's. torch's MemTracker gives the peak of tracked tensor
 memory per rank (parameters, gradients, optimizer state, activations, buffers), a dispatch
 counter the bytes of every collective. A candidate fits when its peak is within the
-budget. CPU offload moves shards, gradients and optimizer state off the accelerator; on a
-CPU-only machine there is no device memory to save, so it is not a candidate there.
+budget. It runs on the accelerator when there is one (the memory it predicts is that
+device's), else on the CPU. CPU offload moves shards, gradients and optimizer state off the
+accelerator: a candidate there; on the CPU it would move nothing, so not a candidate.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from ._activation_checkpointing import checkpoint_blocks
 from ._fully_shard import fully_shard
+from ._policies import CPUOffloadPolicy
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -34,17 +38,23 @@ class Setup:
     blocks_per_unit: int = 1
     reshard_after_forward: bool | int = True
     checkpoint_every: int | None = None  # checkpoint_blocks(every=...), or no recomputation
+    cpu_offload: bool = False  # offload_policy=CPUOffloadPolicy()
 
-    def apply(self, model: nn.Module, blocks: str) -> None:
-        """Annotate `model` (not yet annotated) this way; `blocks` names its ModuleList."""
+    def apply(self, model: nn.Module, blocks: str, mesh: DeviceMesh | None = None) -> None:
+        """Annotate `model` (not yet annotated) this way, over `mesh` (default: fully_shard's);
+        `blocks` names its ModuleList."""
         layers = _layers(model, blocks)
         if self.checkpoint_every is not None:
             checkpoint_blocks(model, type(layers[0]), every=self.checkpoint_every)
+        options: dict[str, Any] = {"mesh": mesh}
+        if self.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
         k = self.blocks_per_unit
         for i in range(0, len(layers), k):
             group = list(layers[i:i + k])
-            fully_shard(group if k > 1 else group[0], reshard_after_forward=self.reshard_after_forward)
-        fully_shard(model)
+            unit = group if k > 1 else group[0]
+            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
+        fully_shard(model, **options)
 
     def code(self, blocks: str, block_class: str) -> str:
         """The calls that realise it, for a model named `model`."""
@@ -54,13 +64,15 @@ class Setup:
         option = "" if self.reshard_after_forward is True else (
             f", reshard_after_forward={self.reshard_after_forward}"
         )
+        offload = ", offload_policy=CPUOffloadPolicy()" if self.cpu_offload else ""
+        option += offload
         k = self.blocks_per_unit
         if k == 1:
             lines.append(f"for block in model.{blocks}:\n    fully_shard(block{option})")
         else:
             lines.append(f"for i in range(0, len(model.{blocks}), {k}):\n"
                          f"    fully_shard(list(model.{blocks}[i:i + {k}]){option})")
-        lines.append("fully_shard(model)")
+        lines.append(f"fully_shard(model{offload})")
         return "\n".join(lines)
 
 
@@ -77,8 +89,9 @@ class Plan:
     def __str__(self) -> str:
         fits = {True: "fits", False: "does not fit", None: ""}[self.fits]
         s = self.setup
+        offload = ", CPU offload" if s.cpu_offload else ""
         return (f"{s.blocks_per_unit} block(s)/unit, reshard_after_forward={s.reshard_after_forward}, "
-                f"checkpoint every {s.checkpoint_every or '-'}: peak {size(self.peak_bytes)}, "
+                f"checkpoint every {s.checkpoint_every or '-'}{offload}: peak {size(self.peak_bytes)}, "
                 f"{size(self.bytes_per_step)}/step communicated {fits}".rstrip())
 
 
@@ -95,35 +108,54 @@ def plan(
     build_model: Callable[[], nn.Module], *, world_size: int, sample_input: Any,
     memory_budget: int | None = None, loss_fn: LossFn | None = None,
     setups: Sequence[Setup] | None = None, blocks: str | None = None,
+    device: torch.device | str | None = None,
 ) -> list[Plan]:
     """Simulate `setups` (default: `candidates(...)`) of the model `build_model()` builds,
     trained with AdamW on `sample_input` (one rank's batch; `loss_fn(model, input)`, default
-    the output's sum), as rank 0 of `world_size` ranks, in this process (no process group
-    may be initialised). Returns them ranked: those that fit `memory_budget` (bytes) first,
-    then by less recomputation, fewer bytes communicated, lower peak."""
+    the output's sum), as rank 0 of `world_size` ranks on `device` (default: the
+    accelerator if there is one, else the CPU), in this process (no process group may be
+    initialised). Peaks are that device's memory. Returns them ranked: those that fit
+    `memory_budget` (bytes) first, then by less recomputation, no offload, fewer bytes
+    communicated, lower peak."""
     if dist.is_initialized():
         raise RuntimeError(
             "plan: a process group is initialised here; plan() simulates its own (fake) one. "
             "Call it before init_process_group, or in a separate process."
         )
+    on = torch.device(device) if device is not None else _default_device()
+    if on.type != "cpu" and on.index is None:
+        on = torch.device(on.type, torch.get_device_module(on.type).current_device())
     model = build_model()
     blocks = blocks or _blocks_attribute(model)
-    setups = list(setups) if setups is not None else candidates(world_size, len(_layers(model, blocks)))
+    if setups is None:
+        setups = candidates(world_size, len(_layers(model, blocks)), offload=on.type != "cpu")
     del model
-    plans = [_simulate(build_model, s, world_size, sample_input, loss_fn or _sum, blocks) for s in setups]
+    plans = [_simulate(build_model, s, world_size, sample_input, loss_fn or _sum, blocks, on)
+             for s in setups]
     for p in plans:
         p.fits = None if memory_budget is None else p.peak_bytes <= memory_budget
-    recompute = {p.setup: 1 / p.setup.checkpoint_every if p.setup.checkpoint_every else 0.0 for p in plans}
-    return sorted(plans, key=lambda p: (p.fits is False, recompute[p.setup], p.bytes_per_step, p.peak_bytes))
+
+    def rank(p: Plan) -> tuple[bool, float, bool, int, int]:
+        recompute = 1 / p.setup.checkpoint_every if p.setup.checkpoint_every else 0.0
+        return p.fits is False, recompute, p.setup.cpu_offload, p.bytes_per_step, p.peak_bytes
+
+    return sorted(plans, key=rank)
 
 
-def candidates(world_size: int, num_blocks: int) -> list[Setup]:
+def _default_device() -> torch.device:
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return torch.device(accelerator.type, 0) if accelerator is not None else torch.device("cpu")
+
+
+def candidates(world_size: int, num_blocks: int, offload: bool = False) -> list[Setup]:
     """Blocks per unit 1 and 2 (and all of them), reshard_after_forward True, False and (for
-    4 ranks or more) half the ranks, checkpointing none, every other block, every block."""
+    4 ranks or more) half the ranks, checkpointing none, every other block, every block;
+    with `offload`, each also with CPU offload."""
     per_unit = sorted({k for k in (1, 2, num_blocks) if 1 <= k <= num_blocks})
     reshard: list[bool | int] = [True, False] + ([world_size // 2] if world_size >= 4 else [])
     return [
-        Setup(k, r, c) for k in per_unit for r in reshard for c in (None, 2, 1)
+        Setup(k, r, c, o) for o in ((False, True) if offload else (False,))
+        for k in per_unit for r in reshard for c in (None, 2, 1)
     ]
 
 
@@ -167,28 +199,31 @@ class _CollectiveBytes(TorchDispatchMode):
 
 def _simulate(
     build_model: Callable[[], nn.Module], setup: Setup, world_size: int, sample_input: Any,
-    loss_fn: LossFn, blocks: str,
+    loss_fn: LossFn, blocks: str, device: torch.device,
 ) -> Plan:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore  # no public fake group
 
+    if device.type != "cpu":
+        torch.get_device_module(device.type).set_device(device)
+    batch = tree_map_only(torch.Tensor, lambda t: t.to(device), sample_input)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         model = build_model()
-        setup.apply(model, blocks)
+        setup.apply(model, blocks, init_device_mesh(device.type, (world_size,)))
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         tracker = MemTracker()
         tracker.track_external(model, optim)
         with tracker:
             for _ in range(2):  # the second step holds AdamW's state too
-                loss_fn(model, sample_input).backward()
+                loss_fn(model, batch).backward()
                 optim.step()
                 optim.zero_grad()
                 tracker.reset_mod_stats()  # (per-module statistics; the peak stays)
         peaks = tracker.get_tracker_snapshot("peak")
-        peak = int(sum(by_kind["Total"] for by_kind in peaks.values()))
+        peak = int(sum(by_kind["Total"] for d, by_kind in peaks.items() if d.type == device.type))
         with _CollectiveBytes() as counted:
-            loss_fn(model, sample_input).backward()
+            loss_fn(model, batch).backward()
         optim.zero_grad()
         block_class = type(_layers(model, blocks)[0]).__name__
         return Plan(setup, peak, counted.nbytes, None, setup.code(blocks, block_class))

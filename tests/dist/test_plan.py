@@ -15,6 +15,9 @@ SETUPS = [
     Setup(blocks_per_unit=1, reshard_after_forward=True),
     Setup(blocks_per_unit=2, reshard_after_forward=False),
     Setup(blocks_per_unit=1, reshard_after_forward=True, checkpoint_every=1),
+    # On the CPU offload moves nothing (not a candidate there), but the setup must still
+    # be simulated as it runs.
+    Setup(blocks_per_unit=1, reshard_after_forward=True, cpu_offload=True),
 ]
 
 
@@ -58,14 +61,17 @@ def test_predictions_match_real_runs(ranks):
     # The setups differ: reshard_after_forward=False holds more, checkpointing less.
     peaks = [plans[s].peak_bytes for s in SETUPS]
     assert peaks[1] > peaks[0] > peaks[2], peaks
+    assert "offload_policy=CPUOffloadPolicy()" in plans[SETUPS[3]].code
 
 
 def test_the_first_under_a_budget_fits_it(ranks):
-    free = plan(build, world_size=2, sample_input=batch(), loss_fn=lm_loss, setups=SETUPS)
+    setups = SETUPS[:3]
+    free = plan(build, world_size=2, sample_input=batch(), loss_fn=lm_loss, setups=setups)
     budget = sorted(p.peak_bytes for p in free)[1]  # room for two of the three
-    ranked = plan(build, world_size=2, sample_input=batch(), loss_fn=lm_loss, setups=SETUPS,
+    ranked = plan(build, world_size=2, sample_input=batch(), loss_fn=lm_loss, setups=setups,
                   memory_budget=budget)
     assert [p.fits for p in ranked].count(True) == 2 and ranked[0].fits
     assert "fully_shard(model)" in ranked[0].code
     measured_peak, _ = ranks.run(check_measured, setup=ranked[0].setup)[0]
     assert measured_peak <= budget
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from fsdp_compose._planner import candidates
 from fsdp_compose.plan import main, parse_size
 
 
@@ -24,3 +25,10 @@ def test_ranks_the_example_gpt(capsys):
 def test_says_when_nothing_fits(capsys):
     main(["--model", "gpt", "--world-size", "2", "--depth", "2", "--budget", "1KiB"])
     assert "no setup fits the budget" in capsys.readouterr().out
+
+
+def test_offload_is_a_candidate_where_it_moves_memory():
+    on_cpu, on_accelerator = candidates(8, 4), candidates(8, 4, offload=True)
+    assert not any(s.cpu_offload for s in on_cpu)
+    assert len(on_accelerator) == 2 * len(on_cpu)
+    assert {s for s in on_accelerator if not s.cpu_offload} == set(on_cpu)
