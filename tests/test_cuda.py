@@ -174,33 +174,19 @@ def test_a_gather_does_not_wait_for_compute():
 
 
 PLAN_AGAINST_ONE_GPU = """
-import json, torch, torch.distributed as dist, tempfile, os
-from torch.distributed._tools.mem_tracker import MemTracker
+import json, os, tempfile
+import torch, torch.distributed as dist
 from fsdp_compose import Setup, plan
-from tests.models import Transformer, lm_loss, token_batch
-
-def build():
-    torch.manual_seed(0)
-    return Transformer(dim=64, heads=4, depth=4)
+from tests.dist.test_plan import build, measured_peak
+from tests.models import lm_loss, token_batch
 
 setups = [Setup(), Setup(cpu_offload=True)]
-batch = token_batch(0, 8).cuda()
-predicted = {p.setup: p.peak_bytes for p in plan(build, world_size=1, sample_input=batch,
-                                                  loss_fn=lm_loss, setups=setups, device="cuda")}
+tokens, gpu = token_batch(0, 8).cuda(), torch.device("cuda", 0)
+predicted = {p.setup: p.peak_bytes for p in plan(build, world_size=1, sample_input=tokens,
+                                                  loss_fn=lm_loss, setups=setups, device=gpu)}
 store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
-rows = []
-for setup in setups:
-    model = build()
-    setup.apply(model, "blocks")
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tracker = MemTracker()
-    tracker.track_external(model, optim)
-    with tracker:
-        for _ in range(2):
-            lm_loss(model, batch).backward(); optim.step(); optim.zero_grad(); tracker.reset_mod_stats()
-    measured = tracker.get_tracker_snapshot("peak")[torch.device("cuda", 0)]["Total"]
-    rows.append([setup.cpu_offload, predicted[setup], measured])
+dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=gpu)
+rows = [[s.cpu_offload, predicted[s], measured_peak(s, build(), tokens, gpu)] for s in setups]
 dist.destroy_process_group()
 print(json.dumps(rows))
 """

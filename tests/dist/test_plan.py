@@ -30,22 +30,28 @@ def batch() -> torch.Tensor:
     return token_batch(0, 8)  # one rank's
 
 
-def check_measured(setup: Setup) -> tuple[int, int]:
-    """Rank 0's tracked peak over two steps, and one step's collective bytes, for real."""
+def measured_peak(setup: Setup, model: torch.nn.Module, tokens: torch.Tensor,
+                  device: torch.device) -> int:
+    """The tracked peak on `device` of two real AdamW steps of `model` annotated by `setup`."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    model = build()
     setup.apply(model, "blocks")
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tracker = MemTracker()
     tracker.track_external(model, optim)
     with tracker:
         for _ in range(2):
-            lm_loss(model, batch()).backward()
+            lm_loss(model, tokens).backward()
             optim.step()
             optim.zero_grad()
             tracker.reset_mod_stats()
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return int(tracker.get_tracker_snapshot("peak")[device]["Total"])
+
+
+def check_measured(setup: Setup) -> tuple[int, int]:
+    """Rank 0's tracked peak over two steps, and one step's collective bytes, for real."""
+    model = build()
+    peak = measured_peak(setup, model, batch(), torch.device("cpu"))
     with CollectiveCounter() as counter:
         lm_loss(model, batch()).backward()
     return peak, counter.bytes[ALL_GATHER] + counter.bytes[REDUCE_SCATTER]
