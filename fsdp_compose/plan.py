@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from ._planner import plan, size
+from ._planner import Plan, plan, size
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -95,6 +97,16 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("\nno setup fits the budget: more ranks, or a smaller batch per rank")
 
+
+class _CallableModule(types.ModuleType):
+    """Importing this module (`import fsdp_compose.plan`) makes `fsdp_compose.plan` the
+    module rather than the function: calling it still plans."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[Plan]:
+        return plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     main()

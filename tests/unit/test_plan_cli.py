@@ -32,3 +32,15 @@ def test_offload_is_a_candidate_where_it_moves_memory():
     assert not any(s.cpu_offload for s in on_cpu)
     assert len(on_accelerator) == 2 * len(on_cpu)
     assert {s for s in on_accelerator if not s.cpu_offload} == set(on_cpu)
+
+
+def test_the_package_name_still_plans_after_the_module_is_imported():
+    import fsdp_compose
+    import fsdp_compose.plan  # noqa: F401  # (this file imported it already)
+
+    from fsdp_compose import Setup
+    from tests.models import Transformer, lm_loss, token_batch
+
+    plans = fsdp_compose.plan(lambda: Transformer(depth=2), world_size=2, sample_input=token_batch(0, 2),
+                              loss_fn=lm_loss, setups=[Setup()])
+    assert len(plans) == 1 and plans[0].peak_bytes > 0 and plans[0].bytes_per_step > 0
