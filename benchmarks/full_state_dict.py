@@ -126,7 +126,6 @@ def main() -> None:
                 (Path(tmp) / "a").mkdir(exist_ok=True)
                 row[way] = dict(zip(("peak_extra_mib", "seconds"), peak_extra_mib(write)))
         results[name] = row
-        del model
     if rank == 0:
         print(f"rank 0, {dist.get_world_size()} ranks (gloo), float32")
         print(f"{'model':<14}{'whole MiB':>11}{'largest':>9}{'streamed MiB':>14}{'DCP MiB':>10}{'ratio':>7}")

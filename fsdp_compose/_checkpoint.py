@@ -7,7 +7,7 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load

@@ -5,7 +5,6 @@ budget fits that budget when run."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from fsdp_compose import Setup, plan
 from tests.dist.test_collectives import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter

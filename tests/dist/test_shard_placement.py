@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import Shard
@@ -17,7 +16,7 @@ from tests.dist.parity import (
     backward, full, make_mesh, max_diff_to, optimizer_step, three_models, train_and_compare,
 )
 from tests.dist.test_collectives import ALL_GATHER, CollectiveCounter
-from tests.models import MLP, Transformer, lm_loss, mse_loss, token_batch
+from tests.models import MLP, Transformer, lm_loss, token_batch
 
 
 def shard_dim_1(param: nn.Parameter) -> Shard | None:
