@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -22,9 +21,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ._collectives import barrier
-from ._full_state_dict import save_full_state_dict
+from ._full_state_dict import INCOMPLETE, is_first_rank, save_full_state_dict
 
-INCOMPLETE = ".incomplete"  # suffix of a checkpoint being written
 REPLACED = ".replaced"  # suffix of the previous checkpoint while the new one takes its name
 
 
@@ -49,11 +47,11 @@ def save_checkpoint(
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     if step is not None:
         state["step"] = torch.tensor(step)
-    if _is_first_rank():
+    if is_first_rank():
         shutil.rmtree(staging, ignore_errors=True)  # a save that crashed before
     barrier()
     dcp_save(state, storage_writer=FileSystemWriter(staging))
-    if _is_first_rank():
+    if is_first_rank():
         replaced = path.with_name(path.name + REPLACED)
         shutil.rmtree(replaced, ignore_errors=True)
         if path.exists():
@@ -113,10 +111,6 @@ def export_safetensors(model: nn.Module, path: str | os.PathLike[str]) -> None:
     if Path(path).suffix != ".safetensors":
         raise ValueError(f"export_safetensors: {path} must end in .safetensors (or call save_full_state_dict).")
     save_full_state_dict(model, path)
-
-
-def _is_first_rank() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _check_model_matches(path: Path, metadata: Metadata, model_state: dict[str, Any]) -> None:

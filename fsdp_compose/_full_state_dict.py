@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_INCOMPLETE = ".incomplete"
+INCOMPLETE = ".incomplete"  # the suffix of a file or checkpoint being written
 _CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -51,7 +51,7 @@ def save_full_state_dict(
     rank holds at most one whole tensor beyond its shards. Call on every rank."""
     state = _tensors(model, "save_full_state_dict")  # sharded DTensors: nothing gathered yet
     entries: Entries = [(k, t.dtype, tuple(t.shape)) for k, t in state.items()]
-    writing = _is_first_rank()
+    writing = is_first_rank()
     files = _plan_files(Path(path), entries, max_shard_size)
     for file, names in files:
         writer = _Writer(file, [e for e in entries if e[0] in names]) if writing else None
@@ -73,7 +73,7 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
     every `_LOAD_BATCH` bytes). Missing or unexpected names and mismatched shapes raise the
     same error on every rank before any tensor is sent. Call on every rank."""
     state = _tensors(model, "load_full_state_dict")
-    saved = _headers(Path(path)) if _is_first_rank() else None
+    saved = _headers(Path(path)) if is_first_rank() else None
     if dist.is_initialized():
         shared = [saved]
         dist.broadcast_object_list(shared, src=0)  # the headers, so every rank checks
@@ -84,7 +84,7 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
     size = 0
     for name, target in state.items():
         entry = saved[name]
-        whole = _read(entry) if _is_first_rank() else None
+        whole = _read(entry) if is_first_rank() else None
         whole = _broadcast(whole, _DTYPES[entry.dtype], tuple(entry.shape), _device_of(target))
         batch[name] = whole.to(target.dtype)
         size += batch[name].nbytes
@@ -106,7 +106,7 @@ def _tensors(model: nn.Module, caller: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _is_first_rank() -> bool:
+def is_first_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
@@ -164,7 +164,7 @@ class _Writer:
 
     def __init__(self, path: Path, entries: Entries) -> None:
         self._path = path
-        self._staging = path.with_name(path.name + _INCOMPLETE)
+        self._staging = path.with_name(path.name + INCOMPLETE)
         path.parent.mkdir(parents=True, exist_ok=True)
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
@@ -190,7 +190,7 @@ def _write_index(path: Path, files: list[tuple[Path, list[str]]], entries: Entri
     weight_map = {name: file.name for file, names in files for name in names}
     total = sum(_nbytes(dtype, shape) for _, dtype, shape in entries)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    staging = path / (INDEX_FILE + _INCOMPLETE)
+    staging = path / (INDEX_FILE + INCOMPLETE)
     staging.write_text(json.dumps(index, indent=2))
     staging.replace(path / INDEX_FILE)
 

@@ -92,10 +92,11 @@ class UnitState:
         self._forward_index = -1  # in root.forward_order
         self._ended_forward_before: tuple[UnitState, ...] = ()  # implicit backward prefetch
         self._modules_to_run: set[nn.Module] = set()
-        reducers = [part.reducer for part in unit.parts]
+        # The setters give every part (mesh) of a unit the same value: the first's answers.
+        reducer = unit.parts[0].reducer
         self.backward_end = BackwardEnd(
             unit.params, self._backward_done, self._in_pre_backward,
-            lambda: any([r.reduce_scatter_unused_params for r in reducers]),
+            lambda: reducer.reduce_scatter_unused_params,
         )
         # What forward casts its floating-point inputs and outputs to (None: nothing).
         self._input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None

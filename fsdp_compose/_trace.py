@@ -173,14 +173,17 @@ class StepTrace:
                 return gather
             return traced
 
-        def waited(original: Callable[..., Any]) -> Callable[..., Any]:
-            def traced(*args: Any, **kwargs: Any) -> Any:
-                begun = self._now()
-                with torch.profiler.record_function(f"fsdp::{self._name(state)} all-gather wait"):
-                    result = original(*args, **kwargs)
-                self._end(state, ALL_GATHER, blocked=self._now() - begun, by=part)
-                return result
-            return traced
+        def waits_for(kind: str, phase: str | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+            """A wrapper of the wait for `kind`, which ends its span."""
+            def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+                def traced(*args: Any, **kwargs: Any) -> Any:
+                    begun = self._now()
+                    with torch.profiler.record_function(f"fsdp::{self._name(state)} {kind} wait"):
+                        result = original(*args, **kwargs)
+                    self._end(state, kind, phase, blocked=self._now() - begun, by=part)
+                    return result
+                return traced
+            return wrap
 
         def reduce(original: Callable[..., Any]) -> Callable[..., Any]:
             def traced(*args: Any, **kwargs: Any) -> Any:
@@ -196,16 +199,8 @@ class StepTrace:
                 return started
             return traced
 
-        def finished(original: Callable[..., Any]) -> Callable[..., Any]:
-            def traced(*args: Any, **kwargs: Any) -> Any:
-                begun = self._now()
-                with torch.profiler.record_function(f"fsdp::{self._name(state)} reduce-scatter wait"):
-                    result = original(*args, **kwargs)
-                self._end(state, REDUCE_SCATTER, BACKWARD, blocked=self._now() - begun, by=part)
-                return result
-            return traced
-
         self._patch(gatherer, "_start", start)
+        waited, finished = waits_for(ALL_GATHER, None), waits_for(REDUCE_SCATTER, BACKWARD)
         self._patch(gatherer, "wait_for_unshard", waited)
         self._patch(part, "wait_for_unshard", waited)
         self._patch(part, "reduce_grads", reduce)
