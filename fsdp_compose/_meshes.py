@@ -212,7 +212,12 @@ def _in_this_world(key: Hashable, make: Callable[[], T]) -> T:
 
 
 def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The (replicas, 1) mesh over a 1-D `mesh`'s ranks: HSDP whose shard group is one rank."""
+    """The (replicas, 1) mesh over a 1-D `mesh`'s ranks: HSDP whose shard group is one rank.
+    A named dim of a larger mesh is built from that whole mesh (see _replicate_only)."""
+    root = mesh._get_root_mesh()
+    names = mesh.mesh_dim_names
+    if root is not mesh and names and set(names) <= set(root.mesh_dim_names or ()):
+        return _replicate_only(root, names)
     return _in_this_world(("replica", mesh), lambda: DeviceMesh(
         mesh.device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard")
     ))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import pytest
@@ -15,7 +16,8 @@ from torch.distributed.tensor import Replicate, Shard
 from fsdp_compose import fully_shard, replicate
 from tests.dist.parity import Shard as ShardFn
 from tests.dist.parity import (
-    assert_close_to, backward, make_mesh, per_block, three_models, train_and_compare,
+    assert_close_to, backward, make_mesh, max_diff_to, per_block, three_models,
+    train_and_compare,
 )
 from tests.dist.test_collectives import CollectiveCounter, first_forward
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
@@ -237,3 +239,22 @@ def check_setter_switches_to_smaller_group() -> Counter:
 def test_set_reshard_after_forward_int(ranks):
     backward = ranks.run(check_setter_switches_to_smaller_group, world_size=4)[0]
     assert backward == {(ALL_GATHER, 2): 4, (REDUCE_SCATTER, 4): 4}
+
+
+def check_replicate_over_a_dim_of_a_larger_mesh() -> float:
+    """replicate(mesh=mesh["dp"]) of a (dp, tp) mesh: the ranks outside each dp group build
+    no other groups (no hang), and gradients average over the dp group only."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"]
+    torch.manual_seed(0)
+    ref = MLP()
+    model = copy.deepcopy(ref)
+    replicate(model, mesh=dp)
+    batch = feature_batch(mesh.get_local_rank("tp"), 4)  # the dp group's data; tp groups differ
+    mse_loss(model, batch.chunk(2)[dp.get_local_rank()]).backward()
+    mse_loss(ref, batch).backward()
+    return max_diff_to(model, ref, grads=True)
+
+
+def test_replicate_over_a_dim_of_a_larger_mesh(ranks):
+    assert all(d < 1e-6 for d in ranks.run(check_replicate_over_a_dim_of_a_larger_mesh, world_size=4))
