@@ -7,6 +7,7 @@ them. A test function lives at module level (the workers import it) and runs on 
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -14,6 +15,7 @@ import queue
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -29,6 +31,7 @@ def _serve(rank: int, world_size: int, init_file: str, tasks: Any, results: Any)
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable()  # a rank that crashes natively prints where, under its test's output
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -43,6 +46,10 @@ def _serve(rank: int, world_size: int, init_file: str, tasks: Any, results: Any)
         except BaseException:
             results.put((rank, traceback.format_exc(), None))
     dist.destroy_process_group()
+
+
+class RankDied(AssertionError):
+    """A rank's process ended while running a test (a native crash: see its output)."""
 
 
 class RankPool:
@@ -84,10 +91,13 @@ class RankPool:
             if dead or time.monotonic() > deadline:
                 self.close(kill=True)
                 errors = "".join(f"\nrank {r}:\n{e}" for r, (e, _) in sorted(done.items()) if e)
+                where = f"{fn.__name__} at world size {self.world_size}"
+                if dead:
+                    exits = {r: self._workers[r].exitcode for r in dead}
+                    raise RankDied(f"{where}: ranks {dead} died (exit codes {exits}).{errors}")
                 missing = sorted(set(range(self.world_size)) - set(done))
                 raise AssertionError(
-                    f"{fn.__name__} at world size {self.world_size}: ranks {missing} "
-                    f"{'died' if dead else 'did not finish (hung collective?)'}; "
+                    f"{where}: ranks {missing} did not finish (hung collective?); "
                     f"the pool restarts.{errors}"
                 )
         errors = "".join(f"\nrank {r}:\n{e}" for r, (e, _) in sorted(done.items()) if e)
@@ -120,14 +130,23 @@ class Ranks:
     ) -> list[Any]:
         """`retire_pool`: the test leaves the ranks' communication broken on purpose (say,
         a timed-out collective), so the next test gets a fresh pool."""
+        try:
+            return self._pool(world_size).run(fn, timeout, **kwargs)
+        except RankDied as death:
+            # A process that dies without a Python error crashed in native code (gloo's
+            # threads, the allocator). Run the test once more on fresh processes: a crash
+            # that repeats fails it, one that does not is reported as a warning.
+            warnings.warn(f"{death}\nran again on a fresh pool", RuntimeWarning)
+            return self._pool(world_size).run(fn, timeout, **kwargs)
+        finally:
+            if retire_pool:
+                self._pools[world_size].close(kill=True)
+
+    def _pool(self, world_size: int) -> RankPool:
         pool = self._pools.get(world_size)
         if pool is None or not pool.alive:
             pool = self._pools[world_size] = RankPool(world_size)
-        try:
-            return pool.run(fn, timeout, **kwargs)
-        finally:
-            if retire_pool:
-                pool.close(kill=True)
+        return pool
 
     def close(self) -> None:
         for pool in self._pools.values():
