@@ -3,6 +3,8 @@
 Spawning processes and creating a process group takes seconds while a test body takes
 milliseconds, so each world size gets one pool whose workers run test functions sent to
 them. A test function lives at module level (the workers import it) and runs on every rank.
+A rank stuck in a collective fails the test by a timeout; a rank whose process crashes
+natively gets its test run once more on a fresh pool (see Ranks.run).
 """
 
 from __future__ import annotations
