@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import shutil
 import tempfile
 import time
 import traceback
@@ -118,6 +119,7 @@ class RankPool:
                 tasks.put(None)
         for worker in self._workers:
             worker.join(timeout=10)
+        shutil.rmtree(os.path.dirname(self._init_file), ignore_errors=True)
 
 
 class Ranks:
