@@ -92,11 +92,10 @@ class Gatherer:
     def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
         """Reshard after forward to dim 1 of `mesh` (a smaller group), or fully if None."""
         self.reshard()
-        if mesh is not None:
-            self._check_extended()
         if mesh is None:
             self._post_forward_group, size, index = None, None, 0
         else:
+            self._check_extended()
             self._post_forward_group = mesh.get_group(1)
             size, index = mesh.size(1), mesh.get_local_rank(1)
         for p in self.params:
@@ -194,9 +193,9 @@ class Gatherer:
             self._flat_needs_cast = self._flat.dtype != dtype or self._flat.device != device
             self._spec = ((rows, unit.shard_numel), dtype, device)
         unit.layout_changed()
-        plain = [(p, n) for p, n in zip(params, unit.sizes) if p.extension is None]
+        plain = [i for i, p in enumerate(params) if p.extension is None]  # hooks build theirs
         buffers = _unsharded_buffers(
-            [p for p, _ in plain], rows, [n for _, n in plain], dtype, device
+            [params[i] for i in plain], rows, [unit.sizes[i] for i in plain], dtype, device
         ) if plain else []
         # Freed by resizing to 0 rather than dropped: autograd may have saved the unsharded
         # parameters, and what it saved must see the data of the next all-gather.
