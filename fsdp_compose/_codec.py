@@ -86,12 +86,13 @@ def decode_rows(
             if new is not None:
                 p.unsharded, built = new, True
             continue
-        rows = out if out.dim() == 2 else out.new_empty(out.shape[0], p.layout.padded_shard_numel)
         codec = codecs.get(p)
-        if codec is None:
-            rows.copy_(data[:, : rows.shape[1] * rows.element_size()].view(rows.dtype))
-        else:
-            codec.decode(data, rows, p.layout.padded_rows, p.layout.row_numel)
+        if codec is None:  # the bytes are the shards in the parameter's dtype: one copy
+            values = data[:, : p.layout.padded_shard_numel * out.element_size()].view(out.dtype)
+            out.copy_(values.view(out.shape))
+            continue
+        rows = out if out.dim() == 2 else out.new_empty(out.shape[0], p.layout.padded_shard_numel)
+        codec.decode(data, rows, p.layout.padded_rows, p.layout.row_numel)
         if rows is not out:
             out.copy_(rows.view(out.shape))
     return built

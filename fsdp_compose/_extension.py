@@ -71,12 +71,14 @@ class GatherExtension:
         self._outputs: list[torch.Tensor] = []  # flat, (ranks * numel) each; kept
         self._inner: tuple[torch.Tensor, ...] = ()  # the unsharded tensor's, freed on reshard
         self.unsharded: torch.Tensor | None = None  # given as out= once built
+        self._pre_function: Any = None  # the pre hook whose parameter count is _pre_count
+        self._pre_count = 0
 
     def encode(self, local: torch.Tensor) -> torch.Tensor:
         """What this rank sends: the pre hook's inputs as bytes, each padded to 8 so that
         it can be viewed in its dtype again."""
         pre = getattr(local, PRE)
-        count = len(inspect.signature(pre).parameters)
+        count = self._parameter_count(pre)
         if count == 1:
             inputs, self._metadata = pre(self._mesh)
         elif count == 5:
@@ -98,6 +100,14 @@ class GatherExtension:
         self._inputs = specs
         pieces = [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
         return torch.cat([nn.functional.pad(b, (0, -b.numel() % 8)) for b in pieces])
+
+    def _parameter_count(self, pre: Any) -> int:
+        """How many parameters the pre hook takes: read once per hook function (a signature
+        costs more than the gather's bookkeeping), not at every gather."""
+        function = getattr(pre, "__func__", pre)  # a bound method is made anew at each read
+        if function is not self._pre_function:
+            self._pre_function, self._pre_count = function, len(inspect.signature(pre).parameters)
+        return self._pre_count
 
     def decode(
         self, rows: torch.Tensor, local: torch.Tensor, param_dtype: torch.dtype,

@@ -34,6 +34,7 @@ class GatheredUnit(Protocol):
     shard_numel: int
     is_complex: bool
     mixed_dtypes: bool
+    all_dim0: bool  # every parameter sharded on dim 0: its gather target is 2-D rows
     codecs: dict[ShardedParam, AllGatherCodec]
     custom_all_gather: CustomComm | None
 
@@ -81,7 +82,6 @@ class Gatherer:
         self._unsharded_storages: list[tuple[torch.UntypedStorage, int]] = []
         self._storage_allocated = False  # whether _unsharded_storages hold their bytes
         self._targets: list[torch.Tensor] = []
-        self._targets_are_rows = True  # all 2-D (every parameter sharded on dim 0)
         self._registrations: list[_OwnerForms] = []  # see lay_out
         self._extended: list[ShardedParam] = []  # with all-gather hooks: see _extension.py
         self._buffer = ReusedBuffer()  # unless a custom all-gather allocates
@@ -204,7 +204,6 @@ class Gatherer:
             storage.resize_(0)
         self._storage_allocated = False
         self._targets = [p.gather_target(from_post_forward=False) for p in params]
-        self._targets_are_rows = all(t.dim() == 2 for t in self._targets)
         # The unit registers all its parameters with one dict update per owning module (a
         # method call per parameter costs more than the work), while this layout holds.
         self._registrations = _forms_by_owner(r for p in params for r in p.registrations())
@@ -260,15 +259,14 @@ class Gatherer:
             self._storage_allocated = True
         if gather.from_post_forward:
             targets = [p.gather_target(from_post_forward=True) for p in self.params]
-            rows = all(t.dim() == 2 for t in targets)
         else:
-            targets, rows = self._targets, self._targets_are_rows
+            targets = self._targets
         if gather.encoded:
             if decode_rows(gather.gathered, gather.sizes, self.params, unit.codecs, targets):
                 self._registrations = _forms_by_owner(  # a hook built an unsharded parameter
                     r for p in self.params for r in p.registrations()
                 )
-        elif rows:
+        elif unit.all_dim0:
             torch.split_with_sizes_copy(gather.gathered, gather.sizes, dim=1, out=targets)
         else:  # some parameter is sharded on another dim: its target is strided
             for target, piece in zip(targets, torch.split(gather.gathered, gather.sizes, dim=1)):

@@ -16,7 +16,7 @@ from tests.dist.parity import (
     backward, full, make_mesh, max_diff_to, optimizer_step, three_models, train_and_compare,
 )
 from tests.dist.test_collectives import ALL_GATHER, CollectiveCounter
-from tests.models import MLP, Transformer, lm_loss, token_batch
+from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 
 
 def shard_dim_1(param: nn.Parameter) -> Shard | None:
@@ -255,3 +255,27 @@ def check_with_policies() -> list[float]:
 def test_with_mixed_precision_and_offload(ranks):
     for errors in ranks.run(check_with_policies):
         assert errors == [0.0, 0.0]
+
+
+class MixedDtypes(nn.Module):
+    """float32 layers beside a frozen float64 scale in one unit: gathered as bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 6)
+        self.second = nn.Linear(6, 8)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8, dtype=torch.float64), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.second(torch.relu(self.first(x))).double() * self.scale).float()
+
+
+def check_mixed_dtypes() -> tuple[float, float]:
+    return train_and_compare(MixedDtypes, mse_loss, feature_batch, shard_placement_fn=shard_dim_1,
+                             wrap=lambda model, shard: shard(model))
+
+
+def test_with_mixed_dtypes_in_the_unit(ranks):
+    """Weights on dim 1 arrive from the byte all-gather into their strided targets."""
+    for vs_reference, vs_torch in ranks.run(check_mixed_dtypes):
+        assert vs_torch == 0.0 and vs_reference < 1e-5
