@@ -67,7 +67,7 @@ def check_reshard_after_forward(value: object, where: str, shard_size: int | Non
 
 def check_options(
     name: str, reshard_after_forward: object, shard_placement_fn: object,
-    mp_policy: object, offload_policy: object, dp_mesh_dims: object,
+    mp_policy: object, offload_policy: object,
 ) -> None:
     check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", None)
     if not isinstance(mp_policy, MixedPrecisionPolicy):

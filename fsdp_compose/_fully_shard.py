@@ -104,8 +104,7 @@ def fully_shard(
     modules = list(module) if isinstance(module, list) else [module]
     check_modules(modules)
     name = ", ".join(type(m).__name__ for m in modules)
-    check_options(name, reshard_after_forward, shard_placement_fn, mp_policy,
-                   offload_policy, dp_mesh_dims)
+    check_options(name, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh(name)
     check_mesh(name, mesh, dp_mesh_dims, reshard_after_forward)
     resolved = unit_mesh(mesh, reshard_after_forward, dp_mesh_dims)

@@ -18,10 +18,18 @@ class MultiMeshUnit:
         self.parts = parts  # one per mesh, the unit's own mesh first
         first = parts[0]
         self.params: list[ShardedParam] = [p for part in parts for p in part.params]
-        self.label = first.label
         self.mesh = first.mesh
         self.device = first.device
         self.streams = first.streams
+
+    @property
+    def label(self) -> str:
+        return self.parts[0].label
+
+    @label.setter
+    def label(self, label: str) -> None:  # the parts' messages name the unit as it does
+        for part in self.parts:
+            part.label = label
 
     @property
     def fqn_prefix(self) -> str:
