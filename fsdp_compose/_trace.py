@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._hooks import UnitState, state_of
+from ._hooks import UnitState, _in_backward, state_of
 from ._trace_report import (
     ALL_GATHER, BACKWARD, COMPUTE, FORWARD, REDUCE_SCATTER, Span, chrome_trace, draw_timeline,
     unit_table,
@@ -31,10 +31,6 @@ from ._unit import Unit
 
 # The trace open now, if any: one at a time, as each wraps methods of the runtime's classes.
 _open: list[StepTrace] = []
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class StepTrace:
@@ -65,7 +61,7 @@ class StepTrace:
         # wrapper of each traced instance (by id).
         self._originals: dict[tuple[type, str], Callable[..., Any]] = {}
         self._routes: dict[tuple[type, str], dict[int, Callable[..., Any]]] = {}
-        self._device: torch.device | None = None
+        self._device = self._states[0].unit.device  # every unit of a model computes there
 
     # -- opening and closing -----------------------------------------------------------------
 
@@ -76,7 +72,6 @@ class StepTrace:
         self._origin = time.perf_counter()
         try:
             for state in self._states:
-                self._device = state.unit.device
                 for part in state.unit.parts:
                     self._wrap_unit(state, part)
                 self._wrap_state(state)
@@ -155,7 +150,7 @@ class StepTrace:
     def memory(self) -> int:
         """Bytes held now: see the class docstring."""
         device = self._device
-        if device is not None and device.type != "cpu":
+        if device.type != "cpu":
             return int(torch.get_device_module(device.type).memory_allocated(device))
         return sum(part.held_bytes() for s in self._states for part in s.unit.parts)
 
@@ -233,7 +228,7 @@ class StepTrace:
     def table(self) -> str:
         """Per unit and pass: bytes and milliseconds of its collectives, its compute, the
         communication it waited for (not hidden by compute), the peak memory."""
-        return unit_table(self.spans, on_cpu=self._device is None or self._device.type == "cpu")
+        return unit_table(self.spans, on_cpu=self._device.type == "cpu")
 
     def save_chrome(self, path: str) -> None:
         """A Chrome trace (Perfetto, chrome://tracing) of every rank: a process per rank, a
