@@ -53,9 +53,9 @@ def save_full_state_dict(
     entries: Entries = [(k, t.dtype, tuple(t.shape)) for k, t in state.items()]
     writing = is_first_rank()
     files = _plan_files(Path(path), entries, max_shard_size)
-    for file, names in files:
-        writer = _Writer(file, [e for e in entries if e[0] in names]) if writing else None
-        for name in names:  # in state-dict order, as the header lists them
+    for file, file_entries in files:
+        writer = _Writer(file, file_entries) if writing else None
+        for name, _, _ in file_entries:  # in state-dict order, as the header lists them
             whole = _whole(state[name])  # every rank takes part in the gather
             if writer is not None:
                 writer.write(whole)
@@ -63,7 +63,7 @@ def save_full_state_dict(
         if writer is not None:
             writer.close()
     if writing and len(files) > 1:
-        _write_index(Path(path), files, entries)
+        _write_index(Path(path), files)
 
 
 def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None:
@@ -111,10 +111,10 @@ def is_first_rank() -> bool:
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on the CPU (a DTensor gathered: a collective)."""
+    """The whole tensor, where it is (a DTensor gathered: a collective)."""
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
-    return tensor.detach().cpu()
+    return tensor.detach()
 
 
 def _device_of(tensor: torch.Tensor) -> torch.device:
@@ -138,19 +138,20 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return torch.Size(shape).numel() * dtype.itemsize
 
 
-def _plan_files(path: Path, entries: Entries, max_shard_size: int) -> list[tuple[Path, list[str]]]:
-    """The files to write and the names in each, in state-dict order: one file when `path`
-    names one or everything fits `max_shard_size`, else as many as it takes."""
+def _plan_files(path: Path, entries: Entries, max_shard_size: int) -> list[tuple[Path, Entries]]:
+    """The files to write and the entries of each, in state-dict order: one file when
+    `path` names one or everything fits `max_shard_size`, else as many as it takes."""
     if path.suffix == ".safetensors":
-        return [(path, [name for name, _, _ in entries])]
-    groups: list[list[str]] = [[]]
+        return [(path, entries)]
+    groups: list[Entries] = [[]]
     size = 0
-    for name, dtype, shape in entries:
+    for entry in entries:
+        _, dtype, shape = entry
         nbytes = _nbytes(dtype, shape)
         if size and size + nbytes > max_shard_size:
             groups.append([])
             size = 0
-        groups[-1].append(name)
+        groups[-1].append(entry)
         size += nbytes
     if len(groups) == 1:
         return [(path / SINGLE_FILE, groups[0])]
@@ -178,17 +179,18 @@ class _Writer:
         self._file.write(struct.pack("<Q", len(encoded)) + encoded)
 
     def write(self, tensor: torch.Tensor) -> None:
-        # The tensor's own bytes, through the buffer protocol: no copy of them.
-        self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        # The tensor's own bytes, through the buffer protocol: no copy of them on the CPU
+        # (only the writing rank brings a tensor there).
+        self._file.write(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
     def close(self) -> None:
         self._file.close()
         self._staging.replace(self._path)
 
 
-def _write_index(path: Path, files: list[tuple[Path, list[str]]], entries: Entries) -> None:
-    weight_map = {name: file.name for file, names in files for name in names}
-    total = sum(_nbytes(dtype, shape) for _, dtype, shape in entries)
+def _write_index(path: Path, files: list[tuple[Path, Entries]]) -> None:
+    weight_map = {name: file.name for file, entries in files for name, _, _ in entries}
+    total = sum(_nbytes(dtype, shape) for _, entries in files for _, dtype, shape in entries)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     staging = path / (INDEX_FILE + INCOMPLETE)
     staging.write_text(json.dumps(index, indent=2))
