@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ._collectives import barrier
-from ._full_state_dict import INCOMPLETE, is_first_rank, save_full_state_dict
+from ._collectives import barrier, is_first_rank
+from ._full_state_dict import INCOMPLETE, save_full_state_dict
 
 REPLACED = ".replaced"  # suffix of the previous checkpoint while the new one takes its name
 

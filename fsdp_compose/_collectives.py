@@ -183,6 +183,11 @@ def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:
     return gathered
 
 
+def is_first_rank() -> bool:
+    """Whether this is the rank that writes files (the only one without a process group)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def barrier() -> None:
     """Wait for every rank (checkpoint files are renamed in between)."""
     if dist.is_initialized():

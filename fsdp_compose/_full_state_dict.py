@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ._collectives import is_first_rank
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 INCOMPLETE = ".incomplete"  # the suffix of a file or checkpoint being written
@@ -104,10 +106,6 @@ def _tensors(model: nn.Module, caller: str) -> dict[str, torch.Tensor]:
             "tensors only. Save such models with save_checkpoint."
         )
     return state
-
-
-def is_first_rank() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
