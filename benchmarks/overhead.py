@@ -7,11 +7,12 @@ With the fake process group nothing is sent, so a training step's time minus the
 model's unsharded step, divided by the number of units, is CPU time per unit per forward +
 backward. Part of it is the fake group's own: it still copies every rank's shard into the
 gathered output and chunks the reduce-scatter's input. A second fsdp_compose model ran one
-step under a StepTrace before timing (what a closed trace leaves behind). Further rounds
-time the calls into
-the process group, for both runtimes, and report what remains as the runtime's own. On a
-one-rank gloo group both runtimes skip communication altogether. The contenders run
-interleaved, in one process.
+step under a StepTrace before timing (what a closed trace leaves behind). A third contender
+does a unit's work by hand with nothing else (benchmarks/handwritten.py): the design's own
+cost, below which no runtime of this design goes; its gradients are checked against
+fsdp_compose's first. Further rounds time the calls into the process group, for every
+contender, and report what remains as the runtime's own. On a one-rank gloo group the
+runtimes skip communication altogether. The contenders run interleaved, in one process.
 
 Each backend's results go to overhead.json in --out under the backend's name, next to the
 other backend's from an earlier run, with the machine, versions and date
@@ -34,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from handwritten import shard_by_hand
 from provenance import provenance
 
 from fsdp_compose import StepTrace, fully_shard
@@ -42,7 +44,9 @@ from fsdp_compose import StepTrace, fully_shard
 def build(units: int, dim: int, shard) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(dim, dim) for _ in range(units)))
-    if shard is not None:
+    if shard is shard_by_hand:
+        shard(model)
+    elif shard is not None:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in model:
             shard(layer, mesh=mesh)
@@ -88,6 +92,17 @@ class CollectiveClock:
         return timed
 
 
+def check_by_hand(units: int, dim: int, x: torch.Tensor) -> None:
+    """The hand-written units compute fsdp_compose's gradient shards, to the last bit."""
+    ours, by_hand = build(units, dim, fully_shard), build(units, dim, shard_by_hand)
+    for model in (ours, by_hand):
+        for _ in range(2):  # the second adds to the first's .grad
+            model(x).sum().backward()
+    for (name, p), q in zip(ours.named_parameters(), by_hand.parameters()):
+        if not torch.equal(p.grad.to_local(), q.grad):
+            raise AssertionError(f"the hand-written units' gradient of {name} is not fsdp_compose's")
+
+
 def collective_seconds(model: nn.Module, x: torch.Tensor, steps: int) -> tuple[float, float]:
     """Per step: seconds inside the process group's collectives, and how many calls."""
     with CollectiveClock() as clock:
@@ -120,7 +135,9 @@ def main() -> None:
         "fsdp_compose": build(args.units, args.dim, fully_shard),
         # What a StepTrace, opened and closed, leaves behind.
         "after a StepTrace": build(args.units, args.dim, fully_shard),
+        "by hand": build(args.units, args.dim, shard_by_hand),
     }
+    check_by_hand(args.units, args.dim, x)
     for model in models.values():
         step_seconds(model, x, 3)  # warm up: lazy init, allocator
     with StepTrace(models["after a StepTrace"]):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 CONTENDERS = ("fsdp_compose", "FSDP2", "DDP", "floor")
 SHARDED = ("fsdp_compose", "FSDP2")
+BY_HAND = "by hand"  # benchmarks/handwritten.py's variant in overhead.json
 BENCHMARKS = {  # name: the command that writes its JSON
     "step": "torchrun --nproc_per_node=2 benchmarks/step.py",
     "overhead": "python benchmarks/overhead.py, and with --backend gloo",
@@ -109,7 +110,7 @@ and reduce-scatter calls, timed in separate rounds; the rest is the runtime's ow
 
 {table}
 
-{spread}{goal}{traced}
+{spread}{goal}{traced}{by_hand}
 
 {calls} The fake group still copies every rank's shard into the gathered output{copies}{gloo}
 Next come a skeleton of the same hooks (pre/post-forward, a pre-hook on the output's node,
@@ -370,8 +371,11 @@ def overhead_section(results: dict) -> str:
     first = fake or gloo
     config = first["config"]
     header, align = [""], "l"
-    rows = [["fsdp_compose"], ["torch's fully_shard"], ["ratio"]]
-    names = ("fsdp_compose", "torch fully_shard")
+    names = ["fsdp_compose", "torch fully_shard"]
+    if all(BY_HAND in r["variants"] for r in (fake, gloo) if r):
+        names.append(BY_HAND)
+    rows = [[label] for label in ("fsdp_compose", "torch's fully_shard", "by hand")[:len(names)]]
+    rows.append(["ratio"])
     if fake:
         v = fake["variants"]
         header += [f"fake, W={fake['config']['world_size']}", "in collectives", "runtime's own"]
@@ -379,14 +383,14 @@ def overhead_section(results: dict) -> str:
         for row, name in zip(rows, names):
             row += [us(v[name]["us_per_unit"]), us(v[name]["collectives_us_per_unit"]),
                     us(v[name]["runtime_us_per_unit"])]
-        rows[2] += [f"{ratio(v, 'us_per_unit'):.3f}", "", f"{ratio(v, 'runtime_us_per_unit'):.2f}"]
+        rows[-1] += [f"{ratio(v, 'us_per_unit'):.3f}", "", f"{ratio(v, 'runtime_us_per_unit'):.2f}"]
     if gloo:
         v = gloo["variants"]
         header.append("gloo, 1 rank")
         align += "r"
         for row, name in zip(rows, names):
             row.append(us(v[name]["us_per_unit"]))
-        rows[2].append(f"{ratio(v, 'us_per_unit'):.2f}")
+        rows[-1].append(f"{ratio(v, 'us_per_unit'):.2f}")
     commands, lines = [], []
     for backend, result, comment in (("fake", fake, f"fake process group, W={config['world_size']}"),
                                      ("gloo", gloo, "one gloo rank: no communication at all")):
@@ -403,6 +407,7 @@ def overhead_section(results: dict) -> str:
         copies=(" (nine tensor ops per all-gather at W = 8)" if fake and fake["config"]["world_size"] == 8
                 else ""),
         gloo=overhead_gloo(fake, gloo), traced=overhead_traced(fake),
+        by_hand=overhead_by_hand(fake),
     )
 
 
@@ -439,6 +444,24 @@ def overhead_goal(fake: dict | None) -> str:
             f"per unit was set, so that goal is a ratio of about {goal:.3f}; fsdp_compose's "
             f"{r:.3f} is about {r * REFERENCE_FSDP2_US:.0f} µs there, "
             f"{'within' if r <= goal else 'above'} the goal.")
+
+
+def overhead_by_hand(fake: dict | None) -> str:
+    """The design's floor: the same work done by hand, against both runtimes."""
+    if not fake or BY_HAND not in fake["variants"]:
+        return ""
+    v = fake["variants"]
+    hand, ours = v[BY_HAND]["us_per_unit"], v["fsdp_compose"]["us_per_unit"]
+    theirs = v["torch fully_shard"]["us_per_unit"]
+    return (f"\n\nThe row \"by hand\" is a unit's work written out with nothing else "
+            f"(`benchmarks/handwritten.py`: the same all-gathers, copies, hooks and "
+            f"reduce-scatter; its gradients are checked equal to fsdp_compose's before the "
+            f"timing). It costs {us(hand)} per unit, {hand / theirs:.3f} of FSDP2's: what the work "
+            f"of this design costs on this machine with no runtime around it, about the least a "
+            f"runtime built on these hooks and collectives can cost. " + (
+                f"fsdp_compose's checks, state and features add {us(ours - hand)} "
+                f"({(ours - hand) / hand:.0%}) over it." if ours > hand else
+                "fsdp_compose measured no more than it in this run."))
 
 
 def overhead_traced(fake: dict | None) -> str:
