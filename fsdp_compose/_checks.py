@@ -3,26 +3,19 @@ first collective and before anything changes, so a failed call leaves the module
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._extension import check_carried
 from ._hooks import state_of
 from ._meshes import SpmdDims, UnitMesh, dim_names
-from ._param import REPLACED_MARK
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 
 # Marks the sharded parameters fully_shard creates, so a later call on an inner module can
 # tell "sharded by an enclosing fully_shard" from a tensor-parallel DTensor.
 SHARDED_MARK = "_fsdp_compose_sharded"
-
-_OPTIMIZER_CHECKED = "_fsdp_compose_checked"
 
 Collected = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
 
@@ -240,35 +233,3 @@ def check_params(name: str, collected: Collected, device: torch.device, mesh: Un
                 f"on {device.type}. Build the mesh on the parameters' device type, or move "
                 "the module there first."
             )
-
-
-def mark_replaced(name: str, collected: Collected) -> None:
-    """After a successful fully_shard: remember which parameters it replaced."""
-    for fqn, param, _ in collected:
-        setattr(
-            param, REPLACED_MARK,
-            f"parameter {fqn!r} of {name} as it was before fully_shard, which replaced it by "
-            "a sharded DTensor",
-        )
-    _install_optimizer_check()
-
-
-@functools.cache
-def _install_optimizer_check() -> None:
-    register_optimizer_step_pre_hook(_check_optimizer)
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """At an optimizer's first step: refuse parameters fully_shard replaced, whose update
-    would be silently lost."""
-    if optimizer.__dict__.get(_OPTIMIZER_CHECKED):
-        return
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if (where := getattr(param, REPLACED_MARK, None)) is not None:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} holds {where}: stepping it would change "
-                    "nothing the model uses. Build the optimizer after fully_shard (and after "
-                    "replacing parameters), from model.parameters()."
-                )
-    optimizer.__dict__[_OPTIMIZER_CHECKED] = True

@@ -11,13 +11,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._checks import (
     SHARDED_MARK, Collected, check_mesh, check_modules, check_options, check_params,
-    collect_params, mark_replaced,
+    collect_params,
 )
 from ._fsdp_module import FSDPModule
 from ._hooks import UnitState
 from ._init import move_buffers, sync_from_first_rank, unit_buffers
 from ._meshes import DataParallelMeshDims, UnitMesh, default_mesh, unit_mesh
 from ._param import ShardedParam
+from ._replaced import mark_replaced
 from ._multi_mesh import MultiMeshUnit
 from ._placement import ShardPlacementFn, shard_placements
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -165,7 +166,7 @@ def _annotate(
         m.__class__ = _annotated_class(cls)
     state.install_hooks()
     install_state_dict_hooks(state)
-    mark_replaced(name, collected)
+    mark_replaced(name, ((fqn, param) for fqn, param, _ in collected))
     for tied in borrowed:
         lend(tied, state)
 

@@ -1,13 +1,11 @@
 """Gathering a unit: one all-gather of every parameter's shard into the unsharded
-parameters, and back (reshard). The flat shard and the unsharded storage are laid out here."""
+parameters, and back (reshard), over the memory layout of _layout.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
-from torch import nn
 from torch.distributed import ProcessGroup, Work
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -16,7 +14,9 @@ from ._codec import AllGatherCodec, decode_rows, encode_shards
 from ._collectives import CustomComm, all_gather, allocate, collective_failed
 from ._extension import GatherExtension, has_extension
 from ._meshes import shard_mesh
-from ._param import Registration, ShardedParam
+from ._layout import OwnerForms, flat_shards, forms_by_owner, unsharded_buffers
+from ._param import ShardedParam
+from ._post_forward import PostForwardShards
 from ._streams import SideStreams
 
 
@@ -56,13 +56,6 @@ class _Gather(NamedTuple):
     inputs: list[torch.Tensor] | None  # kept until waited for; see _streams.py
 
 
-# One owning module's _parameters, and the sharded and the unsharded forms of its
-# parameters in a unit, by name: what one dict update registers.
-_OwnerForms = tuple[
-    dict[str, Any], dict[str, nn.Parameter], dict[str, nn.Parameter]
-]
-
-
 class Gatherer:
     """Unshards a unit's parameters with one all-gather and reshards them. With a
     post-forward mesh (reshard_after_forward=<int>), resharding after forward keeps a piece
@@ -82,24 +75,18 @@ class Gatherer:
         self._unsharded_storages: list[tuple[torch.UntypedStorage, int]] = []
         self._storage_allocated = False  # whether _unsharded_storages hold their bytes
         self._targets: list[torch.Tensor] = []
-        self._registrations: list[_OwnerForms] = []  # see lay_out
+        self._registrations: list[OwnerForms] = []  # see lay_out
         self._extended: list[ShardedParam] = []  # with all-gather hooks: see _extension.py
         self._buffer = ReusedBuffer()  # unless a custom all-gather allocates
         self._pending: _Gather | None = None
-        self._post_forward_group: ProcessGroup | None = None
-        self._post_forward_kept = False  # whether the params hold post-forward shards now
+        self._post_forward: PostForwardShards | None = None
 
     def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
         """Reshard after forward to dim 1 of `mesh` (a smaller group), or fully if None."""
         self.reshard()
-        if mesh is None:
-            self._post_forward_group, size, index = None, None, 0
-        else:
+        if mesh is not None:
             self._check_extended()
-            self._post_forward_group = mesh.get_group(1)
-            size, index = mesh.size(1), mesh.get_local_rank(1)
-        for p in self.params:
-            p.set_post_forward_group(size, index)
+        self._post_forward = None if mesh is None else PostForwardShards(self.params, mesh)
 
     def held_bytes(self) -> int:
         """Bytes held beyond the shards: unsharded data and the all-gather buffer."""
@@ -121,12 +108,10 @@ class Gatherer:
             return
         unit = self._unit
         side = unit.streams
-        if self._post_forward_kept:  # gather inside the smaller group, from kept pieces
-            self._post_forward_kept = False
-            group = self._post_forward_group
-            assert group is not None
-            rows, sizes = group.size(), [p.post_forward_numel for p in self.params]
-            inputs = [p.take_post_forward_shard() for p in self.params]
+        post_forward = self._post_forward
+        if post_forward is not None and post_forward.is_kept:  # inside the smaller group
+            group, sizes, inputs = post_forward.group, post_forward.sizes, post_forward.take()
+            rows = group.size()
             written_on_compute = True
         else:
             written_on_compute = not self.laid_out
@@ -187,14 +172,14 @@ class Gatherer:
         self._find_extensions()
         self._flat, self._flat_needs_cast, self._spec = None, False, None
         if not self._extended:
-            self._flat = _flat_shards(params, unit.shard_numel)
+            self._flat = flat_shards(params, unit.shard_numel)
         rows, dtype, device = unit.shard_size, unit.param_dtype, unit.device
         if self._flat is not None:
             self._flat_needs_cast = self._flat.dtype != dtype or self._flat.device != device
             self._spec = ((rows, unit.shard_numel), dtype, device)
         unit.layout_changed()
         plain = [i for i, p in enumerate(params) if p.extension is None]  # hooks build theirs
-        buffers = _unsharded_buffers(
+        buffers = unsharded_buffers(
             [params[i] for i in plain], rows, [unit.sizes[i] for i in plain], dtype, device
         ) if plain else []
         # Freed by resizing to 0 rather than dropped: autograd may have saved the unsharded
@@ -203,10 +188,10 @@ class Gatherer:
         for storage, _ in self._unsharded_storages:
             storage.resize_(0)
         self._storage_allocated = False
-        self._targets = [p.gather_target(from_post_forward=False) for p in params]
+        self._targets = [p.gather_target for p in params]
         # The unit registers all its parameters with one dict update per owning module (a
         # method call per parameter costs more than the work), while this layout holds.
-        self._registrations = _forms_by_owner(r for p in params for r in p.registrations())
+        self._registrations = forms_by_owner(r for p in params for r in p.registrations())
         self.laid_out = True
 
     def _find_extensions(self) -> None:
@@ -221,7 +206,7 @@ class Gatherer:
                     p.fqn, p.owners[0][0], shard_mesh(unit.mesh), p.shape, p.mp_policy
                 )
         self._extended = [p for p in self.params if p.extension is not None]
-        if self._post_forward_group is not None:
+        if self._post_forward is not None:
             self._check_extended()
 
     def _check_extended(self) -> None:
@@ -258,12 +243,13 @@ class Gatherer:
                 storage.resize_(nbytes)
             self._storage_allocated = True
         if gather.from_post_forward:
-            targets = [p.gather_target(from_post_forward=True) for p in self.params]
+            assert self._post_forward is not None
+            targets = self._post_forward.targets()
         else:
             targets = self._targets
         if gather.encoded:
             if decode_rows(gather.gathered, gather.sizes, self.params, unit.codecs, targets):
-                self._registrations = _forms_by_owner(  # a hook built an unsharded parameter
+                self._registrations = forms_by_owner(  # a hook built an unsharded parameter
                     r for p in self.params for r in p.registrations()
                 )
         elif unit.all_dim0:
@@ -287,16 +273,13 @@ class Gatherer:
         `keep_post_forward` and a post-forward mesh, keep each parameter's piece for it."""
         if self._pending is not None:
             self.wait_for_unshard()  # an all-gather in flight must land before its buffers go
-        keep = keep_post_forward and self._post_forward_group is not None
+        post_forward = self._post_forward if keep_post_forward else None
         if not self.is_unsharded:
-            if not keep and self._post_forward_kept:
-                self._post_forward_kept = False
-                for p in self.params:
-                    p.take_post_forward_shard()
+            if post_forward is None and self._post_forward is not None:
+                self._post_forward.drop()  # a full reshard: the kept pieces are not needed
             return
-        if keep:
-            for p in self.params:
-                p.keep_post_forward_shard()
+        if post_forward is not None:
+            post_forward.keep()
         if self.laid_out:
             for parameters, sharded, _ in self._registrations:
                 parameters.update(sharded)
@@ -310,44 +293,4 @@ class Gatherer:
             for p in self._extended:
                 assert p.extension is not None
                 p.extension.free()
-        self._post_forward_kept = keep
         self.is_unsharded = False
-
-
-def _flat_shards(params: list[ShardedParam], numel: int) -> torch.Tensor | None:
-    """One flat tensor holding every parameter's padded shard (each parameter's shard then
-    a view of it), when they share a dtype and a device; else None."""
-    first = params[0].padded_shard
-    if not all(p.padded_shard.dtype == first.dtype and p.padded_shard.device == first.device
-               for p in params):
-        return None
-    # Parameters outlive an inference_mode forward that may get here first.
-    with torch.inference_mode(False), torch.no_grad():
-        flat = torch.empty(numel, dtype=first.dtype, device=first.device, pin_memory=first.is_pinned())
-        for p, piece in zip(params, flat.split([p.layout.padded_shard_numel for p in params])):
-            p.move_shard_into(piece)
-    return flat
-
-
-def _unsharded_buffers(
-    params: list[ShardedParam], rows: int, sizes: list[int], dtype: torch.dtype, device: torch.device
-) -> list[torch.Tensor]:
-    """The unsharded data: one storage shared by the parameters when they compute in one
-    dtype, else each its own."""
-    if not all(p.param_dtype == dtype for p in params):
-        return [p.unsharded_buffer for p in params]
-    with torch.inference_mode(False):
-        unsharded = torch.empty(rows * sum(sizes), dtype=dtype, device=device)
-        for p, piece in zip(params, unsharded.split([rows * n for n in sizes])):
-            p.use_unsharded_buffer(piece)
-    return [unsharded]
-
-
-def _forms_by_owner(registrations: Iterable[Registration]) -> list[_OwnerForms]:
-    """Registrations grouped by owning module."""
-    by_owner: dict[int, _OwnerForms] = {}
-    for r in registrations:
-        _, sharded, unsharded = by_owner.setdefault(id(r.parameters), (r.parameters, {}, {}))
-        sharded[r.name] = r.sharded
-        unsharded[r.name] = r.unsharded
-    return list(by_owner.values())

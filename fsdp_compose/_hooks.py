@@ -1,4 +1,4 @@
-"""A unit's forward and backward hooks, and the phase machine that orders them.
+"""A unit's forward and backward hooks, which move it through its phases (_phase.py).
 
 A unit is unsharded in its forward pre-hook and resharded in its forward post-hook (unless
 it keeps its parameters for backward). Pre-hooks on the forward outputs' backward nodes
@@ -9,45 +9,24 @@ order, the end-of-backward callback) is the root's: see _root.py.
 
 from __future__ import annotations
 
-import enum
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_leaves
 
 from ._backward_done import BackwardEnd
 from ._comm_context import CommContext
-from ._policies import MixedPrecisionPolicy
+from ._phase import (
+    FORWARD, IDLE, POST_BACKWARD, PRE_BACKWARD, Phase, current_graph_task_id, in_backward,
+)
+from ._policies import MixedPrecisionPolicy, cast_floating
+from ._prefetch import Prefetch
 from ._root import STATE_ATTR, Root
 from ._param import ShardedParam
 from ._multi_mesh import AnyUnit
-
-
-class Phase(enum.Enum):
-    IDLE = enum.auto()
-    FORWARD = enum.auto()
-    PRE_BACKWARD = enum.auto()
-    POST_BACKWARD = enum.auto()
-
-
-# The phases each phase may go to. Tuples: their membership test compares identities,
-# while a set or dict would hash the enum member with a Python-level __hash__.
-_NEXT = (
-    (Phase.IDLE, (Phase.FORWARD, Phase.PRE_BACKWARD)),
-    (Phase.FORWARD, (Phase.IDLE, Phase.FORWARD)),  # FORWARD again: another module of a list unit
-    (Phase.PRE_BACKWARD, (Phase.PRE_BACKWARD, Phase.POST_BACKWARD)),
-    # A part of the graph whose inputs did not require grad reaches the unit again after
-    # its reduction; it is unsharded and reduced once more (grads accumulate correctly).
-    (Phase.POST_BACKWARD, (Phase.PRE_BACKWARD,)),
-)
-for _phase, _next in _NEXT:
-    _phase.next = _next  # type: ignore[attr-defined]
-# The members as module globals, which the hooks read at every call: a member looked up on
-# its enum class costs as much as a function call (Python 3.11).
-IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = Phase
 
 
 def state_of(module: nn.Module) -> UnitState | None:
@@ -82,20 +61,12 @@ class UnitState:
         self.lends = False
         self.comm = CommContext()  # the root's, after lazy init
         self.post_optim_event: Any = None  # read by the root: its next forward's gathers wait
-        # Units to start gathering once this one is unsharded, in forward and in backward
-        # (explicit, set_modules_to_*_prefetch). Without, backward prefetches the unit whose
-        # forward ended before this one's, and forward (if `implicit_forward_prefetch`) the
-        # unit whose forward began after this one's in the last iteration.
-        self.forward_prefetch: list[UnitState] = []
-        self.backward_prefetch: list[UnitState] | None = None
-        self.implicit_forward_prefetch = False
-        self._forward_index = -1  # in root.forward_order
-        self._ended_forward_before: tuple[UnitState, ...] = ()  # implicit backward prefetch
+        self.prefetch: Prefetch[UnitState] = Prefetch()
         self._modules_to_run: set[nn.Module] = set()
         # The setters give every part (mesh) of a unit the same value: the first's answers.
         reducer = unit.parts[0].reducer
         self.backward_end = BackwardEnd(
-            unit.params, self._backward_done, self._in_pre_backward,
+            unit.params, self._backward_done, lambda: self.phase is PRE_BACKWARD,
             lambda: reducer.reduce_scatter_unused_params,
         )
         # What forward casts its floating-point inputs and outputs to (None: nothing).
@@ -133,17 +104,6 @@ class UnitState:
             f"{self.phase.name} -> {phase.name}"
         )
 
-    def lazy_init(self) -> None:
-        """Make this unit the root of every unit below it, on its first forward."""
-        root = Root.of(self)
-        for state in root.states:
-            state.root = root
-            state.initialised = True
-            state.comm = root.comm
-            if state.reshard_after_forward is None:
-                # The root's parameters would be freed and gathered again at once.
-                state.reshard_after_forward = state is not self
-
     # -- forward ---------------------------------------------------------------------------
 
     def pre_forward(
@@ -152,10 +112,10 @@ class UnitState:
         if torch.compiler.is_dynamo_compiling():
             return _run_eagerly(self.pre_forward, module, args, kwargs)  # type: ignore[no-any-return]
         if not self.initialised:
-            self.lazy_init()
+            Root.of(self)  # the first forward: this unit is the root of all below it
         if self._input_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), self._input_dtype)
-        if _current_graph_task_id() != -1:
+            args, kwargs = cast_floating((args, kwargs), self._input_dtype)
+        if current_graph_task_id() != -1:
             return self._pre_recomputation(args, kwargs)
         root = self.root
         if root.final_callback_queued:
@@ -166,15 +126,15 @@ class UnitState:
             self._modules_to_run = set(self.modules)
             if root.forward_root is None:
                 root.begin_forward(self)
-            self._forward_index = len(root.forward_order)
+            self.prefetch.forward_index = len(root.forward_order)
             root.forward_order.append(self)
         assert FORWARD in self.phase.next, self._bad_transition(FORWARD)  # type: ignore[attr-defined]
         self.phase = FORWARD
         self.unit.unshard()  # also finishes a prefetch's gather
         if self.borrowed_from:
             self._unshard_lenders()
-        if self.forward_prefetch or self.implicit_forward_prefetch:
-            for other in self._forward_prefetch_targets():
+        if (prefetch := self.prefetch).forward or prefetch.implicit_forward:
+            for other in prefetch.in_forward(self, root.last_forward_order):
                 self.comm.prefetch(other.unit)  # overlaps this unit's compute; waited for there
                 root.forward_prefetched.append(other)
         if torch.is_grad_enabled():
@@ -196,12 +156,6 @@ class UnitState:
             self._unshard_lenders()
         return args, kwargs
 
-    def _forward_prefetch_targets(self) -> list[UnitState]:
-        if self.forward_prefetch or not self.implicit_forward_prefetch:
-            return self.forward_prefetch
-        last, i = self.root.last_forward_order, self._forward_index + 1
-        return last[i : i + 1] if len(last) > i and last[i - 1] is self else []
-
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():
             return _run_eagerly(self.post_forward, module, args, output)
@@ -211,14 +165,14 @@ class UnitState:
         if output is None and sys.exc_info()[1] is not None:
             self._after_failed_forward(module)
             return None
-        in_backward = _current_graph_task_id() != -1  # recomputation: see pre_forward
-        if not in_backward:
+        recomputing = current_graph_task_id() != -1  # in backward: see pre_forward
+        if not recomputing:
             self._modules_to_run.discard(module)
             self._register_pre_backward(output)
         if self._output_dtype is not None:
-            output = _cast_floating(output, self._output_dtype)
-        if in_backward:
-            return output  # a recomputation: see pre_forward
+            output = cast_floating(output, self._output_dtype)
+        if recomputing:
+            return output  # see pre_forward
         if self._modules_to_run and self.root.forward_root is not self:
             # A list unit waiting for its other modules inside the enclosing forward. (A
             # module of it called on its own, e.g. a head by a chunked loss, is the
@@ -240,7 +194,7 @@ class UnitState:
     def _after_failed_forward(self, module: nn.Module) -> None:
         """`module`'s forward raised: undo what its pre-hook did; if it was the forward
         enclosing the others, undo the whole iteration's forward."""
-        if self.phase is not FORWARD or module not in self._modules_to_run or _in_backward():
+        if self.phase is not FORWARD or module not in self._modules_to_run or in_backward():
             return  # not a forward of ours in progress (e.g. a recomputation in backward)
         if self.root.forward_root is self:
             self.root.reset()
@@ -255,7 +209,7 @@ class UnitState:
         self.phase = IDLE
         root = self.root
         before = root.last_post_forward
-        self._ended_forward_before = () if before is None else (before,)
+        self.prefetch.ended_forward_before = () if before is None else (before,)
         root.last_post_forward = self
         if self.lends:
             return  # a borrower may still run in this forward: see _tied.py and Root.end_forward
@@ -287,14 +241,10 @@ class UnitState:
             self.unit.unshard()  # also finishes a prefetch's gather
         if self.borrowed_from:
             self._unshard_lenders()
-        targets = self.backward_prefetch
-        for other in self._ended_forward_before if targets is None else targets:
+        for other in self.prefetch.in_backward():
             # Not one whose backward is done already (gathered again for nothing).
             if other.unshard_in_backward and other.phase is not POST_BACKWARD:
                 self.comm.prefetch(other.unit)  # overlaps this unit's gradient computation
-
-    def _in_pre_backward(self) -> bool:
-        return self.phase is PRE_BACKWARD
 
     def _backward_done(self) -> None:
         """Called by the BackwardEnd, in PRE_BACKWARD: reduce and reshard."""
@@ -346,19 +296,3 @@ def _call(hook: Callable[..., Any], *args: Any) -> Any:
 # which graphs cannot hold, so compilation breaks the graph around them. Eager calls go
 # straight on: a wrapper around every hook would cost more than its bookkeeping.
 _run_eagerly: Callable[..., Any] = torch.compiler.disable(_call)
-
-
-# The autograd engine's graph task on this thread, -1 outside backward (the hot hooks call
-# it directly, a function call less). Private: see docs/design.md.
-_current_graph_task_id = torch._C._current_graph_task_id
-
-
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward on this thread."""
-    return _current_graph_task_id() != -1
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    return tree_map_only(
-        torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree
-    )

@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.torch_version import TorchVersion
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._extension import GatherExtension, carry_hooks
+from ._local_tensor import give_data, local_of, zeroed_shard
 from ._meshes import UnitMesh
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from ._replaced import warn_copied
 from ._sharding import ShardLayout, contiguous_stride, shard_layout
 from ._tensor_parallel import TensorParallel
-
-
-# Marks each tensor whose update would be lost because fully_shard no longer uses it (the
-# parameters it replaced, tensors assigned over sharded parameters), with why: an optimizer
-# holding one is refused at its first step (_checks.py).
-REPLACED_MARK = "_fsdp_compose_replaced"
 
 
 # Without a reduce_dtype, torch's fully_shard reduces gradients in param_dtype up to torch
@@ -89,10 +83,6 @@ class ShardedParam:
             self._spec = (mesh.mesh, placements, shape, contiguous_stride(shape))
         else:
             self._spec = self._tp.sharded_spec(mesh.mesh, placements, dim)
-        # reshard_after_forward=<int>: the layout over the smaller post-forward group, the
-        # rows this rank keeps of it, and (between forward and backward) the kept piece.
-        self._post_forward: tuple[ShardLayout, range] | None = None
-        self.post_forward_shard: torch.Tensor | None = None
         # Set by the unit while the local shard has all-gather hooks (see _extension.py).
         self.extension: GatherExtension | None = None
         self.sharded: nn.Parameter = None  # type: ignore[assignment]  # set by _store_shard
@@ -111,7 +101,7 @@ class ShardedParam:
         A meta `local` stays on meta until `materialize`."""
         self.extension = None  # a new local shard: the unit looks for hooks again
         on_meta = local.is_meta
-        self.padded_shard = _zeros_like(
+        self.padded_shard = zeroed_shard(
             local, self.layout.padded_shard_numel, self._shard_device, self._pin_memory
         )
         self.local = self.padded_shard[: self._local_shape.numel()].view(self._local_shape)
@@ -119,10 +109,10 @@ class ShardedParam:
             self.local.copy_(local)
         sharded = nn.Parameter(self._as_dtensor(self.local), requires_grad=requires_grad)
         if keep is not None:
-            _give_data(keep, sharded)
+            give_data(keep, sharded)
             sharded = keep
         self.sharded = sharded
-        self.local = _local_of(sharded)  # a detached alias of the view: Parameter() detaches
+        self.local = local_of(sharded)  # a detached alias of the view: Parameter() detaches
         carry_hooks(local, self.local)
         self.param_dtype = self.mp_policy.param_dtype or local.dtype
         self.reduce_dtype = self.mp_policy.reduce_dtype or (
@@ -135,7 +125,7 @@ class ShardedParam:
         shard, so the unit sends it without a copy), in the same parameter object."""
         flat_piece.copy_(self.padded_shard)
         self.padded_shard = flat_piece
-        # Same dtype, device and spec: only the local tensor changes (see _give_data).
+        # Same dtype, device and spec: only the local tensor changes (see give_data).
         local, self.local = self.local, flat_piece[: self._local_shape.numel()].view(self._local_shape)
         carry_hooks(local, self.local)
         self.sharded._local_tensor = self.local  # type: ignore[attr-defined]
@@ -157,7 +147,8 @@ class ShardedParam:
         # own version counter. Writing through the buffer itself would bump the counter
         # that autograd checks on the unsharded parameter saved for backward, and the
         # re-gather before backward would then look like an illegal in-place edit.
-        self._gather_target = self.layout.rank_rows(buffer.data)
+        # Where the all-gather result lands (see ShardLayout.rank_rows; 2-D on dim 0).
+        self.gather_target = self.layout.rank_rows(buffer.data)
         unsharded = buffer[: self.layout.numel].view(self.layout.shape)
         if self._tp is not None:
             unsharded = self._tp.as_dtensor(unsharded)
@@ -220,12 +211,12 @@ class ShardedParam:
                     f"{self._spec[1]} on {self._spec[0]}. Assign a tensor of the original "
                     "shape (whole or sharded like the original)."
                 )
-            self._store_shard(_local_of(registered), registered.requires_grad, keep=registered)
+            self._store_shard(local_of(registered), registered.requires_grad, keep=registered)
         elif isinstance(registered, torch.Tensor) and registered.shape == self.shape:
             # Into the sharded parameter the optimizer holds, so that it steps the new values.
             local = self.shard_of(registered).to_local()
             self._store_shard(local, registered.requires_grad, keep=self.sharded)
-            _warn_copied(fqn_prefix + self.fqn, registered)
+            warn_copied(fqn_prefix + self.fqn, registered)
         else:
             found = "None" if registered is None else f"shape {tuple(registered.shape)}"
             raise ValueError(
@@ -241,46 +232,6 @@ class ShardedParam:
     def unsharded_buffer(self) -> torch.Tensor:
         """The unsharded data, flat and padded; its storage is the unit's to allocate."""
         return self._unsharded_buffer
-
-    def gather_target(self, from_post_forward: bool) -> torch.Tensor:
-        """Where the all-gather result lands (see ShardLayout.rank_rows; 2-D on dim 0), for
-        the full or the post-forward layout."""
-        if not from_post_forward:
-            return self._gather_target
-        # The post-forward group divides the shard size, so its padded layout is no longer
-        # than the full one: k * ceil(n / k) <= W * ceil(n / W) when k divides W.
-        return self._post_forward_plan()[0].rank_rows(self._unsharded_buffer.data)
-
-    def set_post_forward_group(self, group_size: int | None, index: int) -> None:
-        """After forward, keep piece `index` of a `group_size`-way shard (None: keep nothing)."""
-        self.post_forward_shard = None
-        if group_size is None:
-            self._post_forward = None
-            return
-        layout = shard_layout(self.layout.shape, group_size, self.layout.dim)
-        self._post_forward = (layout, layout.chunk(index))
-
-    def _post_forward_plan(self) -> tuple[ShardLayout, range]:
-        assert self._post_forward is not None, f"{self.fqn}: no post-forward group set"
-        return self._post_forward
-
-    @property
-    def post_forward_numel(self) -> int:
-        return self._post_forward_plan()[0].padded_shard_numel
-
-    def take_post_forward_shard(self) -> torch.Tensor:
-        """The kept piece (see keep_post_forward_shard), no longer kept."""
-        shard, self.post_forward_shard = self.post_forward_shard, None
-        assert shard is not None
-        return shard
-
-    def keep_post_forward_shard(self) -> None:
-        """Copy this rank's piece of the post-forward layout out of the unsharded data."""
-        layout, chunk = self._post_forward_plan()
-        shard = self.unsharded.detach().new_empty(layout.padded_shard_numel)  # padding unread
-        piece = self.unsharded.detach().narrow(layout.dim, chunk.start, len(chunk))
-        shard[: piece.numel()].copy_(piece.reshape(-1))
-        self.post_forward_shard = shard
 
     def to_unsharded(self) -> None:
         """Register the unsharded parameter (its data must already be gathered)."""
@@ -335,60 +286,6 @@ class ShardedParam:
             spec = self.sharded._spec  # type: ignore[attr-defined]  # a Parameter of a DTensor
             self.sharded.grad = DTensor(local, spec, requires_grad=False)
             return local
-        grad = _local_of(self.sharded.grad)
+        grad = local_of(self.sharded.grad)
         grad.add_(local)
         return grad
-
-
-def _zeros_like(local: torch.Tensor, numel: int, device: torch.device, pin: bool) -> torch.Tensor:
-    """A flat zeroed shard of `numel` elements for `local` on `device` (meta stays meta); a
-    tensor subclass (with all-gather hooks: checked) keeps its class."""
-    if local.is_meta or not is_traceable_wrapper_subclass(local):
-        on = local.device if local.is_meta else device
-        return torch.zeros(numel, dtype=local.dtype, device=on, pin_memory=pin and not local.is_meta)
-    return local.new_zeros(numel)
-
-
-def _give_data(kept: nn.Parameter, new: nn.Parameter) -> None:
-    """Give `kept` (the object optimizers, modules and tools hold) the data of `new`.
-
-    When only the local tensor differs (same dtype, device and DTensor spec: a shard moved
-    into the flat shard, or values stored anew), by making new's local tensor kept's, as
-    torch's fully_shard does: swap_tensors refuses a tensor that anything holds a weak
-    reference to (torch's MemTracker does, for every parameter it saw). Else (a dtype or
-    device changed, e.g. from the meta device) by swap_tensors, keeping `.grad` where it
-    still fits: swap_tensors would move it to the discarded tensor."""
-    if (kept.dtype, kept.device) == (new.dtype, new.device) and kept._spec == new._spec:  # type: ignore[attr-defined]
-        kept._local_tensor = _local_of(new)  # type: ignore[attr-defined]
-        kept.requires_grad_(new.requires_grad)
-        return
-    grad = kept.grad
-    torch.utils.swap_tensors(kept, new)
-    if grad is not None and (grad.shape, grad.dtype) == (kept.shape, kept.dtype):
-        kept.grad = grad
-
-
-def _warn_copied(fqn: str, replacement: torch.Tensor) -> None:
-    """A whole tensor replaced parameter `fqn` after fully_shard: say what became of it, and
-    mark it so that an optimizer holding it is refused at its first step."""
-    setattr(
-        replacement, REPLACED_MARK,
-        f"the tensor assigned to parameter {fqn!r} after fully_shard, whose values were "
-        "copied into the sharded parameter the model keeps",
-    )
-    warnings.warn(
-        f"fsdp_compose: parameter {fqn!r} was replaced after fully_shard by a new tensor. Its "
-        "values were copied into the model's sharded parameter (the object that "
-        "model.parameters() and optimizers built before return), which trains on; the new "
-        "object is not part of the model. To avoid this warning, change the parameter in "
-        "place (with torch.no_grad(): param.copy_(value)) or replace it before fully_shard.",
-        stacklevel=2,
-    )
-
-
-def _local_of(dtensor: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor (or a Parameter holding one) itself: to_local() of a
-    Parameter returns a fresh view, and identity is how we tell our shard from one that
-    replaced it."""
-    local: torch.Tensor = dtensor._local_tensor  # type: ignore[attr-defined]
-    return local

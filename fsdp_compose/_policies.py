@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 
 @dataclass(frozen=True)
@@ -59,3 +61,10 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """`tree` with its floating-point tensors cast to `dtype` (cast_forward_inputs, output_dtype)."""
+    return tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree
+    )

@@ -28,9 +28,11 @@ class Member(Protocol):
 
     @property
     def label(self) -> str: ...
+    root: Root[Any]
     comm: CommContext
     post_optim_event: Any
     initialised: bool
+    reshard_after_forward: bool | None
     lends: bool
 
     def end_partial_forward(self, output: Any) -> None: ...
@@ -64,7 +66,8 @@ class Root(Generic[S]):
     @classmethod
     def of(cls, state: S) -> Root[S]:
         """Make `state`'s unit the root of every unit below it (its first forward): label
-        them, check the model on this rank and then across ranks, share one comm context."""
+        them, check the model on this rank and then across ranks, point them to the root
+        and its comm context."""
         modules = state.modules
         if len(modules) > 1:
             names = ", ".join(type(m).__name__ for m in modules)
@@ -84,7 +87,13 @@ class Root(Generic[S]):
                 f"fsdp_compose: the communication bounds were set on {changed}, which are "
                 f"not roots: their root {state.label} runs them. Call the setter on the root."
             )
-        return cls(state, states)
+        root = cls(state, states)
+        for s in states:
+            s.root, s.initialised, s.comm = root, True, root.comm
+            if s.reshard_after_forward is None:
+                # The root's parameters would be freed and gathered again at once.
+                s.reshard_after_forward = s is not state
+        return root
 
     def begin_forward(self, state: S) -> None:
         """`state`'s forward encloses every other of this iteration: start the iteration."""

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ._hooks import IDLE, UnitState
+from ._hooks import UnitState
+from ._phase import IDLE
 from ._param import ShardedParam
 
 

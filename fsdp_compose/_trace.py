@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._hooks import UnitState, _in_backward, state_of
+from ._hooks import UnitState, state_of
+from ._phase import in_backward
 from ._trace_report import (
     ALL_GATHER, BACKWARD, COMPUTE, FORWARD, REDUCE_SCATTER, Span, chrome_trace, draw_timeline,
     unit_table,
@@ -159,7 +160,7 @@ class StepTrace:
 
         def start(original: Callable[..., Any]) -> Callable[..., Any]:
             def traced(*args: Any, **kwargs: Any) -> Any:
-                phase, begun = (BACKWARD if _in_backward() else FORWARD), self._now()
+                phase, begun = (BACKWARD if in_backward() else FORWARD), self._now()
                 with torch.profiler.record_function(f"fsdp::{self._name(state)} all-gather {phase}"):
                     gather = original(*args, **kwargs)
                 nbytes = gather.gathered.numel() * gather.gathered.element_size()
@@ -204,7 +205,7 @@ class StepTrace:
 
     def _wrap_state(self, state: UnitState) -> None:
         def forward_began(module: nn.Module, args: Any) -> None:
-            if not _in_backward():  # (a recomputation in backward belongs to backward)
+            if not in_backward():  # (a recomputation in backward belongs to backward)
                 self._begin(state, COMPUTE, FORWARD, self._now())
 
         def forward_ended(module: nn.Module, args: Any, output: Any) -> None:

@@ -1,0 +1,68 @@
+"""Tensors fully_shard no longer uses: the parameters it replaced, and tensors assigned over
+sharded parameters (whose values it copies in, with a warning). Each is marked with why, and
+an optimizer holding one is refused at its first step: its update would be lost."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+_REPLACED_MARK = "_fsdp_compose_replaced"
+_OPTIMIZER_CHECKED = "_fsdp_compose_checked"
+
+
+def mark_replaced(name: str, replaced: Iterable[tuple[str, nn.Parameter]]) -> None:
+    """After a successful fully_shard(`name`): remember the parameters (fqn, parameter) it
+    replaced by sharded ones."""
+    for fqn, param in replaced:
+        setattr(
+            param, _REPLACED_MARK,
+            f"parameter {fqn!r} of {name} as it was before fully_shard, which replaced it by "
+            "a sharded DTensor",
+        )
+    _install_optimizer_check()
+
+
+def warn_copied(fqn: str, replacement: torch.Tensor) -> None:
+    """A whole tensor replaced parameter `fqn` after fully_shard, and its values were copied
+    into the sharded parameter: say so, and mark the tensor."""
+    setattr(
+        replacement, _REPLACED_MARK,
+        f"the tensor assigned to parameter {fqn!r} after fully_shard, whose values were "
+        "copied into the sharded parameter the model keeps",
+    )
+    warnings.warn(
+        f"fsdp_compose: parameter {fqn!r} was replaced after fully_shard by a new tensor. Its "
+        "values were copied into the model's sharded parameter (the object that "
+        "model.parameters() and optimizers built before return), which trains on; the new "
+        "object is not part of the model. To avoid this warning, change the parameter in "
+        "place (with torch.no_grad(): param.copy_(value)) or replace it before fully_shard.",
+        stacklevel=2,
+    )
+    _install_optimizer_check()
+
+
+@functools.cache
+def _install_optimizer_check() -> None:
+    register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """At an optimizer's first step: refuse marked tensors."""
+    if optimizer.__dict__.get(_OPTIMIZER_CHECKED):
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if (where := getattr(param, _REPLACED_MARK, None)) is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds {where}: stepping it would change "
+                    "nothing the model uses. Build the optimizer after fully_shard (and after "
+                    "replacing parameters), from model.parameters()."
+                )
+    optimizer.__dict__[_OPTIMIZER_CHECKED] = True
