@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import GPT, counting_batch, init_distributed  # noqa: E402
 
+from overlap import hidden_fraction  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 from fsdp_compose import fully_shard  # noqa: E402
@@ -171,32 +172,6 @@ def hidden_communication(model: nn.Module, optim: torch.optim.Optimizer, tokens:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
             spans.setdefault(e["args"]["stream"], []).append((e["ts"], e["ts"] + e["dur"]))
     return hidden_fraction(spans)
-
-
-def hidden_fraction(spans: dict[int, list[tuple[float, float]]]) -> float:
-    """Of the time some stream other than the compute stream (the one busy longest) is busy,
-    the fraction the compute stream is busy too. `spans`: (start, end) per stream."""
-    if len(spans) < 2:
-        return 1.0  # nothing ran beside the compute stream
-    compute = max(spans, key=lambda s: sum(end - start for start, end in spans[s]))
-    busy = _union(spans[compute])
-    side = _union([span for s, stream in spans.items() if s != compute for span in stream])
-    total = sum(end - start for start, end in side)
-    hidden = sum(
-        max(0.0, min(end, b_end) - max(start, b_start))
-        for start, end in side for b_start, b_end in busy
-    )
-    return hidden / total if total else 1.0
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
 
 
 def run(args: argparse.Namespace, device: torch.device) -> dict:

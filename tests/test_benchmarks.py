@@ -99,7 +99,7 @@ def test_overhead_benchmark_reports_both_runtimes_and_the_work_by_hand(tmp_path)
 
 def test_hidden_fraction_counts_side_stream_time_under_compute():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from step import hidden_fraction
+    from overlap import hidden_fraction
 
     compute = [(0.0, 10.0), (20.0, 30.0)]  # busy longest: the compute stream
     side = {1: [(9.0, 11.0), (12.0, 16.0)], 2: [(14.0, 18.0), (20.0, 24.0)]}
