@@ -28,7 +28,7 @@ class HandShardedLinear:
     """One `nn.Linear` sharded on dim 0 over the default group (dims divisible by its size)."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        group = dist.distributed_c10d._get_default_group()
+        group = dist.group.WORLD
         self.group, self.ranks, rank = group, group.size(), group.rank()
         self.linear, self.names = linear, list(linear._parameters)
         unsharded = [linear._parameters[name] for name in self.names]
