@@ -7,9 +7,9 @@ With the fake process group nothing is sent, so a training step's time minus the
 model's unsharded step, divided by the number of units, is CPU time per unit per forward +
 backward. Part of it is the fake group's own: it still copies every rank's shard into the
 gathered output and chunks the reduce-scatter's input. A second fsdp_compose model ran one
-step under a StepTrace before timing (what a closed trace leaves behind). A third contender
+step under a StepTrace before timing (what a closed trace leaves behind). One more contender
 does a unit's work by hand with nothing else (benchmarks/handwritten.py): the design's own
-cost, below which no runtime of this design goes; its gradients are checked against
+cost, about the least a runtime of this design can cost; its gradients are checked against
 fsdp_compose's first. Further rounds time the calls into the process group, for every
 contender, and report what remains as the runtime's own. On a one-rank gloo group the
 runtimes skip communication altogether. The contenders run interleaved, in one process.
