@@ -54,11 +54,11 @@ def overhead_section(results: dict) -> str:
     first = fake or gloo
     config = first["config"]
     header, align = [""], "l"
-    names = ["fsdp_compose", "torch fully_shard"]
+    labels = {"fsdp_compose": "fsdp_compose", "torch fully_shard": "torch's fully_shard"}
     if all(BY_HAND in r["variants"] for r in (fake, gloo) if r):
-        names.append(BY_HAND)
-    rows = [[label] for label in ("fsdp_compose", "torch's fully_shard", "by hand")[:len(names)]]
-    rows.append(["ratio"])
+        labels[BY_HAND] = BY_HAND
+    names = list(labels)
+    rows = [[labels[name]] for name in names] + [["ratio"]]
     if fake:
         v = fake["variants"]
         header += [f"fake, W={fake['config']['world_size']}", "in collectives", "runtime's own"]

@@ -6,7 +6,6 @@ looks like one Unit."""
 
 from __future__ import annotations
 
-
 from ._param import ShardedParam
 from ._unit import Unit
 

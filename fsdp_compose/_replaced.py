@@ -31,7 +31,8 @@ def mark_replaced(name: str, replaced: Iterable[tuple[str, nn.Parameter]]) -> No
 
 def warn_copied(fqn: str, replacement: torch.Tensor) -> None:
     """A whole tensor replaced parameter `fqn` after fully_shard, and its values were copied
-    into the sharded parameter: say so, and mark the tensor."""
+    into the sharded parameter: say so, and mark the tensor (the optimizer check is installed
+    since fully_shard's mark_replaced)."""
     setattr(
         replacement, _REPLACED_MARK,
         f"the tensor assigned to parameter {fqn!r} after fully_shard, whose values were "
@@ -45,7 +46,6 @@ def warn_copied(fqn: str, replacement: torch.Tensor) -> None:
         "place (with torch.no_grad(): param.copy_(value)) or replace it before fully_shard.",
         stacklevel=2,
     )
-    _install_optimizer_check()
 
 
 @functools.cache
