@@ -13,6 +13,7 @@ from ._planner import Plan, Setup, plan
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._replicate import replicate
 from ._trace import StepTrace
+from ._unmanaged import UnmanagedParametersWarning
 from ._wrap import WrapPolicy, wrap
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "Plan",
     "Setup",
     "StepTrace",
+    "UnmanagedParametersWarning",
     "UnshardHandle",
     "WrapPolicy",
     "checkpoint_blocks",

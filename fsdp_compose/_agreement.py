@@ -26,6 +26,11 @@ def check_ranks_agree(units: list[AnyUnit], mesh: DeviceMesh, problem: str | Non
         try:
             gathered = cast(list[_RankView], all_gather_object(local, group))
         except RuntimeError as error:
+            if problem is not None:  # what this rank found matters more than the wait
+                raise RuntimeError(
+                    f"{problem}\n(Found on this rank before the first forward's model check "
+                    f"with the other ranks, which then failed too: {error})"
+                ) from error
             check = "model check of the first forward"
             raise collective_failed(units[0].label, check, group.size(), error) from error
         for _, rank_problem in gathered:

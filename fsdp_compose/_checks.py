@@ -8,7 +8,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._extension import check_carried
 from ._hooks import state_of
 from ._meshes import SpmdDims, UnitMesh, dim_names
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
@@ -209,6 +208,15 @@ def check_tensor_parallel(name: str, fqn: str, param: DTensor, mesh: DeviceMesh)
         )
 
 
+def refuse_post_forward_tensor_parallel(where: str, fqn: str) -> None:
+    """reshard_after_forward=<int> keeps pieces of plain tensors only."""
+    raise NotImplementedError(
+        f"{where}: reshard_after_forward=<int> (a smaller post-forward group) with the "
+        f"tensor-parallel parameter {fqn!r} is not supported (torch's fully_shard refuses it "
+        "too); pass reshard_after_forward=True or False for units with DTensor parameters."
+    )
+
+
 def check_params(name: str, collected: Collected, device: torch.device, mesh: UnitMesh) -> None:
     for fqn, param, _ in collected:
         if mesh.spmd is not None:
@@ -221,12 +229,13 @@ def check_params(name: str, collected: Collected, device: torch.device, mesh: Un
                     "the modules that contain them."
                 )
             check_tensor_parallel(name, fqn, param, mesh.mesh)
+            if mesh.post_forward_mesh is not None:
+                refuse_post_forward_tensor_parallel(f"fully_shard({name})", fqn)
         if param.ndim == 0:
             raise ValueError(
                 f"fully_shard({name}): parameter {fqn!r} is a scalar and cannot be sharded on "
                 "dim 0. Give it shape (1,), or pass it in ignored_params to keep it whole."
             )
-        check_carried(f"fully_shard({name}): parameter {fqn!r}", param)
         if param.device.type not in (device.type, "cpu", "meta"):
             raise ValueError(
                 f"fully_shard({name}): parameter {fqn!r} is on {param.device} but the mesh is "

@@ -74,14 +74,16 @@ class CommSetters:
     def set_post_optim_event(self, event: torch.Event | None) -> None:
         """The next forward's all-gathers wait for `event` (recorded after an optimizer step
         on another stream) instead of everything before them. Waited for once, then
-        dropped: set a new event every iteration. Call on the root. None (what recording an
-        event on the CPU's current stream returns) waits for nothing."""
+        dropped: set a new event every iteration. Set on any unit, it applies to its root
+        (one event per root, as in torch). None (what recording an event on the CPU's
+        current stream returns) waits for nothing."""
         if event is not None and not callable(getattr(event, "wait", None)):
             raise TypeError(
                 f"{type(self).__name__}.set_post_optim_event: expected a torch.Event, got "
                 f"{type(event).__name__}."
             )
-        self._state().post_optim_event = event
+        state = self._state()
+        (state.root.state if state.initialised else state).post_optim_event = event
 
     def set_custom_all_gather(self, comm: CustomComm) -> None:
         """Gather this unit's parameters with `comm(output, input, group, async_op=False)`

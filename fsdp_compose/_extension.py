@@ -40,17 +40,19 @@ def has_extension(local: torch.Tensor, where: str) -> bool:
     return pre
 
 
-def check_carried(where: str, param: torch.Tensor) -> None:
-    """Refuse a tensor-subclass parameter that fully_shard could gather only by unwrapping
-    it (which would silently train without what the subclass does)."""
-    data: torch.Tensor = getattr(param, "_local_tensor", param)
-    if not has_extension(data, where) and is_traceable_wrapper_subclass(data):
-        raise TypeError(
-            f"{where} is a {type(data).__name__}, a tensor subclass "
-            f"without {PRE} / {POST}: gathering its plain data would drop what the subclass "
-            "does. Give the subclass both methods (torch's fully_shard all-gather extension), "
-            "or make the parameter a plain tensor before fully_shard."
-        )
+def carried_problem(where: str, local: torch.Tensor) -> str | None:
+    """Why a parameter whose local shard is `local` cannot be gathered: a tensor subclass
+    without the hooks could be gathered only by unwrapping it, which would silently train
+    without what the subclass does."""
+    if has_extension(local, where) or not is_traceable_wrapper_subclass(local):
+        return None
+    return (
+        f"{where} is a {type(local).__name__}, a tensor subclass without {PRE} / {POST}: "
+        "gathering its plain data would drop what the subclass does. Give the subclass both "
+        "methods (torch's fully_shard all-gather extension) or attach them to the "
+        "parameter's local shard before its first gather, or make it a plain tensor before "
+        "fully_shard."
+    )
 
 
 class GatherExtension:

@@ -7,7 +7,7 @@ from typing import Any, Literal, NoReturn, cast, overload
 
 from torch import nn
 
-from ._checks import check_reshard_after_forward
+from ._checks import check_reshard_after_forward, refuse_post_forward_tensor_parallel
 from ._comm_setters import CommSetters
 from ._hooks import UnitState, state_of
 from ._meshes import resolve_reshard_after_forward
@@ -156,9 +156,11 @@ class FSDPModule(CommSetters):
         states = self._states(recurse)
         for state in states:  # check every unit (every mesh of one) before changing any
             for part in state.unit.parts:
-                check_reshard_after_forward(
-                    reshard_after_forward, type(self).__name__, part.mesh.size(-1)
-                )
+                where = f"{type(self).__name__}.set_reshard_after_forward"
+                check_reshard_after_forward(reshard_after_forward, where, part.mesh.size(-1))
+                smaller = reshard_after_forward not in (True, False, 1, part.mesh.size(-1))
+                if smaller and (tp := [p.fqn for p in part.params if p.is_tensor_parallel]):
+                    refuse_post_forward_tensor_parallel(where, tp[0])
         for state in states:
             for part in state.unit.parts:
                 reshard, post_forward_mesh = resolve_reshard_after_forward(

@@ -26,6 +26,7 @@ from ._root import STATE_ATTR
 from ._state_dict import install_state_dict_hooks
 from ._tied import OWNER_ATTR, Borrowed, check_borrowable, lend, owner_of
 from ._unit import Unit
+from ._unmanaged import watch
 
 _MANAGED_MARKERS = {"_is_fsdp_managed_module": True, "_fsdp_use_orig_params": True}
 
@@ -118,9 +119,11 @@ def fully_shard(
 
     if sync_module_states:
         tensors = [p for _, p, _ in collected] + unit_buffers(modules)
-        sync_from_first_rank(tensors, mesh, resolved.device)
+        sync_from_first_rank(tensors, resolved.mesh, resolved.device)  # data-parallel dims only
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     _annotate(modules, name, collected, placements, policies, borrowed, resolved, mp_policy, offload)
+    sharded = (p for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False))
+    watch([*sharded, *(ignored_params or ())])
     return module  # type: ignore[return-value]  # annotated in place: now FSDPModules
 
 
@@ -212,7 +215,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     @functools.wraps(method)
     def forward_method(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = state.pre_forward(module, args, kwargs)
-        output = method(*args, **kwargs)
+        try:
+            output = method(*args, **kwargs)
+        except BaseException:
+            # As nn.Module calls a forward hook when forward raised: undo the pre-hook.
+            state.post_forward(module, args, None)
+            raise
         return state.post_forward(module, args, output)
 
     setattr(module, method_name, forward_method)

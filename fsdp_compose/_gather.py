@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._buffer import ReusedBuffer
 from ._codec import AllGatherCodec, decode_rows, encode_shards
 from ._collectives import CustomComm, all_gather, allocate, collective_failed
-from ._extension import GatherExtension, has_extension
+from ._extension import GatherExtension, carried_problem, has_extension
 from ._meshes import shard_mesh
 from ._layout import OwnerForms, flat_shards, forms_by_owner, unsharded_buffers
 from ._param import ShardedParam
@@ -138,6 +138,7 @@ class Gatherer:
         encoded, spec = False, None
         if inputs is not None:
             shards = torch.cat(inputs)
+            encoded = self._post_forward is not None and self._post_forward.as_bytes
         elif unit.codecs or unit.mixed_dtypes or self._extended:  # bytes: see encode_shards
             shards, sizes = encode_shards(self.params, unit.codecs, unit.device)
             encoded = True
@@ -161,15 +162,21 @@ class Gatherer:
             raise collective_failed(unit.label, "all-gather", rows, error) from error
         return _Gather(gathered, work, rows, sizes, inputs is not None, encoded, inputs)
 
-    def lay_out(self) -> None:
+    def lay_out(self, before_gather: bool = True) -> None:
         """Put the padded shards into one flat tensor, which the all-gather sends without
         a copy-in (or with one cast, under mixed precision), and the unsharded data into
         one storage, allocated and freed at once. Parameters of different dtypes keep
-        their own (their shards are copied in at each gather)."""
+        their own (their shards are copied in at each gather).
+
+        Not `before_gather` (fully_shard lays a unit out at once), a tensor subclass whose
+        all-gather hooks are not attached yet leaves the unit to be laid out at its first
+        gather, which refuses it if they still are not (torch allows attaching them after
+        fully_shard)."""
         unit, params = self._unit, self.params
         if (problem := unit.meta_problem()) is not None:
             raise RuntimeError(problem)
-        self._find_extensions()
+        if not self._find_extensions(refuse_unhooked=before_gather):
+            return
         self._flat, self._flat_needs_cast, self._spec = None, False, None
         if not self._extended:
             self._flat = flat_shards(params, unit.shard_numel)
@@ -194,12 +201,18 @@ class Gatherer:
         self._registrations = forms_by_owner(r for p in params for r in p.registrations())
         self.laid_out = True
 
-    def _find_extensions(self) -> None:
+    def _find_extensions(self, refuse_unhooked: bool) -> bool:
         """Give each parameter whose local shard has all-gather hooks its GatherExtension
-        (kept while the shard is the same), and no other parameter one."""
+        (kept while the shard is the same), and no other parameter one. Whether every
+        tensor-subclass shard has hooks; with `refuse_unhooked`, one without raises."""
         unit = self._unit
         for p in self.params:
-            if not has_extension(p.local, f"fsdp_compose: parameter {p.fqn!r}"):
+            where = f"fsdp_compose: unit {unit.label}: parameter {p.fqn!r}"
+            if not has_extension(p.local, where):
+                if (problem := carried_problem(where, p.local)) is not None:
+                    if refuse_unhooked:  # on every rank alike: they hold the same model
+                        raise TypeError(problem)
+                    return False
                 p.extension = None
             elif p.extension is None:
                 p.extension = GatherExtension(
@@ -208,6 +221,7 @@ class Gatherer:
         self._extended = [p for p in self.params if p.extension is not None]
         if self._post_forward is not None:
             self._check_extended()
+        return True
 
     def _check_extended(self) -> None:
         if self._extended:
@@ -242,12 +256,11 @@ class Gatherer:
             for storage, nbytes in self._unsharded_storages:
                 storage.resize_(nbytes)
             self._storage_allocated = True
+        targets = self._targets
         if gather.from_post_forward:
             assert self._post_forward is not None
-            targets = self._post_forward.targets()
-        else:
-            targets = self._targets
-        if gather.encoded:
+            self._post_forward.copy_out(gather.gathered, unit.all_dim0)
+        elif gather.encoded:
             if decode_rows(gather.gathered, gather.sizes, self.params, unit.codecs, targets):
                 self._registrations = forms_by_owner(  # a hook built an unsharded parameter
                     r for p in self.params for r in p.registrations()

@@ -27,6 +27,7 @@ from ._prefetch import Prefetch
 from ._root import STATE_ATTR, Root
 from ._param import ShardedParam
 from ._multi_mesh import AnyUnit
+from ._unmanaged import stop_watching
 
 
 def state_of(module: nn.Module) -> UnitState | None:
@@ -113,6 +114,7 @@ class UnitState:
             return _run_eagerly(self.pre_forward, module, args, kwargs)  # type: ignore[no-any-return]
         if not self.initialised:
             Root.of(self)  # the first forward: this unit is the root of all below it
+            stop_watching()  # for parameters no unit manages: see _unmanaged.py
         if self._input_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), self._input_dtype)
         if current_graph_task_id() != -1:

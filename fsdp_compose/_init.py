@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ._collectives import broadcast
 from ._hooks import state_of
@@ -162,12 +163,16 @@ def unit_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
 def sync_from_first_rank(
     tensors: Iterable[torch.Tensor], mesh: DeviceMesh, device: torch.device
 ) -> None:
-    """Overwrite `tensors` on every rank of `mesh` with the values of its first rank (one
-    broadcast per dtype and mesh dimension). Meta tensors have no values and are skipped."""
+    """Overwrite `tensors` on every rank of `mesh` (the data-parallel mesh) with the values
+    of its first rank (one broadcast per dtype and mesh dimension). A tensor-parallel
+    DTensor's local shard is what is sent: each rank gets the shard of the rank that holds
+    the same tensor-parallel part in its data-parallel group's first replica. Meta tensors
+    have no values and are skipped."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
-        if not t.is_meta:
-            by_dtype.setdefault(t.dtype, []).append(t.detach())
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if not local.is_meta:
+            by_dtype.setdefault(local.dtype, []).append(local.detach())
     for group in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in group]).to(device)
         # After dim 0, rank (i, j) holds (0, j)'s values; after dim 1, (0, 0)'s.

@@ -225,10 +225,20 @@ def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def post_forward_mesh(mesh: DeviceMesh, group_size: int) -> DeviceMesh:
     """`mesh`'s ranks in rows of `group_size` consecutive shard ranks: dim 1 is the group a
-    unit reshards to after forward, and gathers in again before backward."""
+    unit reshards to after forward, and gathers in again before backward. Built over
+    `mesh` and every sibling of it in its root mesh, which every rank sees alike (Note
+    [derived meshes])."""
     return _in_this_world(("post_forward", mesh, group_size), lambda: DeviceMesh(
-        mesh.device_type, mesh.mesh.reshape(-1, group_size)
+        mesh.device_type, sibling_ranks(mesh).reshape(-1, group_size)
     ))
+
+
+def sibling_ranks(mesh: DeviceMesh) -> torch.Tensor:
+    """The ranks of `mesh` and of every mesh sliced from its root like it, as
+    (siblings, *mesh.shape): the same tensor on every rank of the root mesh, whichever
+    sibling a rank is in. A submesh's layout over its root's ranks gives all of them."""
+    full: torch.Tensor = mesh._layout.remap_to_tensor(mesh._rank_map)
+    return full.reshape(-1, *mesh.shape)
 
 
 def resolve_reshard_after_forward(

@@ -13,7 +13,11 @@ from ._sharding import shard_layout
 
 
 class PostForwardShards:
-    """A unit's pieces over its post-forward group, kept between forward and backward."""
+    """A unit's pieces over its post-forward group, kept between forward and backward.
+
+    Pieces of one dtype are sent as they are; when the unit's parameters gather in
+    different dtypes, each piece is sent as its bytes, padded to 8 so that every piece of
+    the gathered rows can be viewed in its dtype again (as encode_shards does)."""
 
     def __init__(self, params: list[ShardedParam], mesh: DeviceMesh) -> None:
         self.group: ProcessGroup = mesh.get_group(1)
@@ -21,7 +25,8 @@ class PostForwardShards:
         self._params = params
         self._layouts = [shard_layout(p.layout.shape, size, p.layout.dim) for p in params]
         self._rows = [layout.chunk(index) for layout in self._layouts]
-        self.sizes = [layout.padded_shard_numel for layout in self._layouts]  # what each sends
+        self.sizes: list[int] = []  # what each piece sends per rank, set by keep
+        self.as_bytes = False  # whether the kept pieces are bytes
         self._kept: list[torch.Tensor] | None = None
 
     @property
@@ -32,28 +37,43 @@ class PostForwardShards:
         """Copy this rank's piece of each parameter out of its unsharded data (which the
         reshard then frees)."""
         kept = []
-        for p, layout, rows in zip(self._params, self._layouts, self._rows):
-            unsharded = p.unsharded.detach()
-            piece = unsharded.narrow(layout.dim, rows.start, len(rows))
-            padded = unsharded.new_empty(layout.padded_shard_numel)  # the padding is unread
+        unsharded = [p.unsharded.detach() for p in self._params]
+        self.as_bytes = len({u.dtype for u in unsharded}) > 1
+        for whole, layout, rows in zip(unsharded, self._layouts, self._rows):
+            piece = whole.narrow(layout.dim, rows.start, len(rows))
+            padded = whole.new_empty(layout.padded_shard_numel)  # the padding is unread
             padded[: piece.numel()].copy_(piece.reshape(-1))
+            if self.as_bytes:
+                data = padded.view(torch.uint8)
+                padded = torch.nn.functional.pad(data, (0, -data.numel() % 8))
             kept.append(padded)
+        self.sizes = [piece.numel() for piece in kept]
         self._kept = kept
 
     def take(self) -> list[torch.Tensor]:
         """The kept pieces, no longer kept: what the all-gather inside the group sends."""
         kept, self._kept = self._kept, None
-        assert kept is not None, "no post-forward pieces kept"
+        if kept is None:
+            raise RuntimeError("fsdp_compose: no post-forward pieces kept to gather")
         return kept
 
     def drop(self) -> None:
         self._kept = None
 
-    def targets(self) -> list[torch.Tensor]:
-        """Where the gather inside the group lands: each parameter's unsharded data as rows
-        of this layout. The group's size divides the shard size, so this padded layout is no
-        longer than the full one: k * ceil(n / k) <= W * ceil(n / W) when k divides W."""
-        return [
+    def copy_out(self, gathered: torch.Tensor, all_dim0: bool) -> None:
+        """Write the gathered pieces (row r: group rank r's) into each parameter's
+        unsharded data, as rows of this layout. The group's size divides the shard size, so
+        this padded layout is no longer than the full one: k * ceil(n / k) <= W * ceil(n / W)
+        when k divides W."""
+        targets = [
             layout.rank_rows(p.unsharded_buffer.data)
             for p, layout in zip(self._params, self._layouts)
         ]
+        if all_dim0 and not self.as_bytes:
+            torch.split_with_sizes_copy(gathered, self.sizes, dim=1, out=targets)
+            return
+        for target, layout, piece in zip(targets, self._layouts, gathered.split(self.sizes, dim=1)):
+            if self.as_bytes:
+                piece = piece[:, : layout.padded_shard_numel * target.element_size()]
+                piece = piece.view(target.dtype)
+            target.copy_(piece.view(target.shape))

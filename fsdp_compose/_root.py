@@ -90,6 +90,8 @@ class Root(Generic[S]):
         root = cls(state, states)
         for s in states:
             s.root, s.initialised, s.comm = root, True, root.comm
+            if s is not state and s.post_optim_event is not None:  # set before this forward
+                state.post_optim_event, s.post_optim_event = s.post_optim_event, None
             if s.reshard_after_forward is None:
                 # The root's parameters would be freed and gathered again at once.
                 s.reshard_after_forward = s is not state

@@ -57,7 +57,7 @@ class Unit:
         self.set_post_forward_mesh = self.gatherer.set_post_forward_mesh
         self.has_unsharded_grads = self.grads.has_unsharded_grads
         if params and not any(p.is_meta for p in params):
-            self.gatherer.lay_out()
+            self.gatherer.lay_out(before_gather=False)
 
     @property
     def parts(self) -> list[Unit]:

@@ -3,7 +3,7 @@ fsdp_post_all_gather on a parameter's local shard): torchao's quantized training
 step for step as under torch's fully_shard, the parameters keep their subclass, the hooks
 are called as torch 2.13 calls them (mesh, outer size and stride, module, policy; out=
 from the second gather on; the shard mesh under HSDP), hooks attached to a local shard
-after annotation are used, and a subclass without hooks is refused."""
+after annotation are used, and a subclass without hooks is refused at its first gather."""
 
 from __future__ import annotations
 
@@ -179,20 +179,25 @@ def test_hooks_attached_to_a_local_shard(ranks, mesh_shape):
 
 
 def check_subclass_without_hooks_refused() -> str:
+    """Hooks may be attached to a shard after fully_shard (torch allows it): a subclass
+    still without them is refused at its first gather, before any collective."""
     from torch.testing._internal.two_tensor import TwoTensor
 
     model = nn.Linear(4, 4)
     model.weight = nn.Parameter(TwoTensor(model.weight.detach(), model.weight.detach().clone()))
+    fully_shard(model, mesh=make_mesh())
+    assert isinstance(model.weight._local_tensor, TwoTensor)  # carried into the shard
     with pytest.raises(TypeError) as raised:
-        fully_shard(model, mesh=make_mesh())
-    assert isinstance(model.weight, TwoTensor)  # untouched
+        model(torch.randn(2, 4))
     return str(raised.value)
 
 
 def test_subclass_without_hooks_is_refused(ranks):
-    for message in ranks.run(check_subclass_without_hooks_refused, world_size=2):
-        assert "parameter 'weight'" in message and "TwoTensor" in message
-        assert "fsdp_pre_all_gather" in message
+    messages = ranks.run(check_subclass_without_hooks_refused, world_size=2)
+    assert messages[0] == messages[1]  # every rank alike
+    assert "parameter 'weight' is a TwoTensor" in messages[0]
+    assert "fsdp_pre_all_gather" in messages[0]
+    assert "attach them to the parameter's local shard before its first gather" in messages[0]
 
 
 def _pair_class() -> type:
