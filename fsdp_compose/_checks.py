@@ -217,8 +217,11 @@ def refuse_post_forward_tensor_parallel(where: str, fqn: str) -> None:
     )
 
 
-def check_params(name: str, collected: Collected, device: torch.device, mesh: UnitMesh) -> None:
-    for fqn, param, _ in collected:
+def check_params(
+    name: str, collected: Collected, device: torch.device, meshes: list[UnitMesh]
+) -> None:
+    """Each parameter as fully_shard can shard it over its mesh (shard_placement_fn's)."""
+    for (fqn, param, _), mesh in zip(collected, meshes):
         if mesh.spmd is not None:
             check_spmd_param(name, fqn, param, mesh.spmd)
         elif isinstance(param, DTensor):

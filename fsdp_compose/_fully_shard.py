@@ -112,9 +112,9 @@ def fully_shard(
     resolved = unit_mesh(mesh, reshard_after_forward, dp_mesh_dims)
     collected = collect_params(modules, name, set(ignored_params or ()))
     collected, borrowed = _split_tied(name, collected, resolved, mp_policy)
-    check_params(name, collected, resolved.device, resolved)
     # These may raise too: before anything changes.
     placements = shard_placements(name, collected, shard_placement_fn, resolved, reshard_after_forward)
+    check_params(name, collected, resolved.device, [param_mesh for _, param_mesh in placements])
     policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]
 
     if sync_module_states:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ._checks import check_reshard_after_forward
+from ._checks import check_mesh, check_reshard_after_forward
 from ._meshes import UnitMesh, unit_mesh
 
 ShardPlacementFn = Callable[[nn.Parameter], Any]
@@ -21,47 +21,66 @@ def shard_placements(
     mesh: UnitMesh, reshard_after_forward: bool | int | None,
 ) -> list[tuple[int, UnitMesh]]:
     """Each parameter's (fqn, parameter, holders) shard dim (from 0) and mesh: what
-    `fn(param)` returns (None: dim 0
-    on the unit's mesh; `Shard(dim)`, a negative dim counting from the last; a
-    `ShardPlacementResult(placement, mesh_info)` whose `mesh_info.mesh` (torch's
-    FSDPMeshInfo / HSDPMeshInfo) is a 1-D or a 2-D (replicate, shard) mesh), checked. Like
-    torch's fully_shard, a dim other than 0 must split evenly over the shard ranks (its
-    padding would cost copies around every collective); a tensor-parallel parameter is
-    sharded as its local tensor. Parameters on one mesh share its UnitMesh."""
+    `fn(param)` returns (None: dim 0 on the unit's mesh; `Shard(dim)`, a negative dim
+    counting from the last; a `ShardPlacementResult(placement, mesh_info)` whose mesh_info
+    (torch's FSDPMeshInfo / HSDPMeshInfo) has a 1-D or a 2-D (replicate, shard) `mesh`, or,
+    built with dp_mesh_dims, the full SPMD `spmd_mesh` the parameter is a DTensor on and
+    its `dp_mesh_dims`), checked. Like torch's fully_shard, a dim other than 0 must split
+    evenly over the shard ranks (its padding would cost copies around every collective);
+    a tensor-parallel parameter is sharded as its local tensor. Parameters on one mesh
+    share its UnitMesh."""
     if fn is None:
         return [(0, mesh)] * len(params)
-    meshes: dict[DeviceMesh, UnitMesh] = {mesh.mesh: mesh}
+    meshes: dict[tuple[DeviceMesh, DeviceMesh | None], UnitMesh] = {_key(mesh): mesh}
     placements = []
     for fqn, param, _ in params:
         where = f"fully_shard({name}): shard_placement_fn for parameter {fqn!r}"
-        placement, own_mesh = _placement_and_mesh(where, fn(param))
-        if own_mesh is not None and own_mesh not in meshes:
-            meshes[own_mesh] = _other_mesh(where, own_mesh, mesh, reshard_after_forward)
-        resolved = mesh if own_mesh is None else meshes[own_mesh]
+        placement, info = _placement_and_mesh_info(where, fn(param))
+        resolved = mesh
+        if info is not None:
+            key = (info.mesh, getattr(info, "spmd_mesh", None))
+            if key not in meshes:
+                meshes[key] = _other_mesh(name, where, info, mesh, reshard_after_forward)
+            resolved = meshes[key]
         placements.append((_shard_dim(where, param, placement, resolved), resolved))
     return placements
 
 
-def _placement_and_mesh(where: str, result: object) -> tuple[object, DeviceMesh | None]:
-    """The placement, and the mesh of a ShardPlacementResult (None: the unit's)."""
+def _key(mesh: UnitMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """A resolved mesh as a ShardPlacementResult names it: the data-parallel mesh, and the
+    full SPMD mesh with dp_mesh_dims."""
+    return mesh.mesh, None if mesh.spmd is None else mesh.spmd.mesh
+
+
+def _placement_and_mesh_info(where: str, result: object) -> tuple[object, Any]:
+    """The placement, and the mesh info of a ShardPlacementResult (None: the unit's)."""
     if result is None or isinstance(result, Shard) or not hasattr(result, "placement"):
         return result, None
     info = getattr(result, "mesh_info", None)
-    own_mesh = getattr(info, "mesh", None) if info is not None else getattr(result, "mesh", None)
-    if not isinstance(own_mesh, DeviceMesh):
+    if not isinstance(getattr(info, "mesh", None), DeviceMesh):
         raise ValueError(f"{where} returned {result!r}, whose mesh_info has no DeviceMesh `mesh`.")
-    return result.placement, own_mesh
+    return result.placement, info
 
 
 def _other_mesh(
-    where: str, own_mesh: DeviceMesh, mesh: UnitMesh, reshard_after_forward: bool | int | None,
+    name: str, where: str, info: Any, mesh: UnitMesh, reshard_after_forward: bool | int | None,
 ) -> UnitMesh:
-    """A parameter's own mesh, resolved like a unit's."""
-    if mesh.spmd is not None:
-        raise NotImplementedError(
-            f"{where} returned a ShardPlacementResult on its own mesh together with "
-            "dp_mesh_dims; per-parameter meshes work with a plain data-parallel mesh."
+    """A parameter's own mesh, resolved like a unit's: a data-parallel mesh, or the dims
+    `info.dp_mesh_dims` of the full SPMD mesh `info.spmd_mesh` (MoE experts on their own
+    (efsdp, ep) mesh beside dense parameters on (dp_shard, tp))."""
+    spmd_mesh, dims = getattr(info, "spmd_mesh", None), getattr(info, "dp_mesh_dims", None)
+    if (spmd_mesh is None or dims is None) != (mesh.spmd is None):
+        unit_kind = "a plain data-parallel mesh" if mesh.spmd is None else "dp_mesh_dims"
+        raise ValueError(
+            f"{where} returned a ShardPlacementResult whose mesh_info "
+            f"{'has' if dims is not None else 'has no'} dp_mesh_dims, while the unit is "
+            f"sharded with {unit_kind}: build every mesh info the same way (with dp_mesh_dims "
+            "and the full SPMD mesh when fully_shard gets dp_mesh_dims)."
         )
+    if spmd_mesh is not None and dims is not None:
+        check_mesh(name, spmd_mesh, dims, reshard_after_forward)
+        return unit_mesh(spmd_mesh, reshard_after_forward, dims)
+    own_mesh: DeviceMesh = info.mesh
     if own_mesh.ndim not in (1, 2):
         raise ValueError(
             f"{where} returned a ShardPlacementResult on a {own_mesh.ndim}-D mesh; pass a 1-D "
