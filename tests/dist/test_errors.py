@@ -49,7 +49,7 @@ def check_misuse_errors() -> None:
     _raises(ValueError, r"fully_shard\(MLP\): reshard_after_forward=3 must divide the mesh's "
             "shard size 2", fully_shard, MLP(), reshard_after_forward=3)
     annotated = fully_shard(MLP())
-    _raises(ValueError, r"FSDPMLP: reshard_after_forward=0 must divide",
+    _raises(ValueError, r"FSDPMLP.set_reshard_after_forward: reshard_after_forward=0 must divide",
             annotated.set_reshard_after_forward, 0)
     _raises(ValueError, r"MixedPrecisionPolicy.param_dtype=torch.int8 is not a floating-point",
             fully_shard, MLP(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
