@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 from torch._C._distributed_c10d import AllgatherOptions  # where torch.distributed has it from
+
+from ._compat import all_gather_single, reduce_scatter_single
 
 
 class GradReduction(NamedTuple):
@@ -109,7 +111,7 @@ def all_gather(
     else:
         # The process group's own method, which dist.all_gather_single calls after checks
         # that cost more than the rest of a unit's unshard (our tensors are flat and ours).
-        work = group.all_gather_single(output, shard, _ALL_GATHER_OPTIONS[async_op])
+        work = all_gather_single(group, output, shard, _ALL_GATHER_OPTIONS[async_op])
     if async_op:
         return work
     _waited(work)
@@ -132,8 +134,8 @@ def reduce_scatter(
         output.copy_(input)
         return None
     else:
-        work = group.reduce_scatter_single(
-            output, input, reduction.scatter_options[async_op]
+        work = reduce_scatter_single(
+            group, output, input, reduction.scatter_options[async_op]
         )
     if async_op:
         return work
@@ -181,6 +183,19 @@ def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:
     gathered: list[object] = [None] * group.size()
     dist.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+T = TypeVar("T")
+
+
+def broadcast_object(obj: T) -> T:
+    """The first rank's `obj` on every rank (pickled: for small, once-per-call verdicts);
+    `obj` itself without a process group."""
+    if not dist.is_initialized():
+        return obj
+    shared: list[T] = [obj]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
 
 
 def is_first_rank() -> bool:

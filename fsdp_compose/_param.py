@@ -6,9 +6,10 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.torch_version import TorchVersion
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ._compat import REDUCE_IN_OWN_DTYPE
 from ._extension import GatherExtension, carry_hooks
 from ._local_tensor import give_data, local_of, zeroed_shard
 from ._meshes import UnitMesh
@@ -16,11 +17,6 @@ from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ._replaced import warn_copied
 from ._sharding import ShardLayout, contiguous_stride, shard_layout
 from ._tensor_parallel import TensorParallel
-
-
-# Without a reduce_dtype, torch's fully_shard reduces gradients in param_dtype up to torch
-# 2.14 and in the parameter's own dtype from 2.15 on; we follow the torch we run on.
-_REDUCE_IN_OWN_DTYPE = TorchVersion(torch.__version__) >= "2.15"
 
 
 class Registration(NamedTuple):
@@ -116,7 +112,7 @@ class ShardedParam:
         carry_hooks(local, self.local)
         self.param_dtype = self.mp_policy.param_dtype or local.dtype
         self.reduce_dtype = self.mp_policy.reduce_dtype or (
-            local.dtype if _REDUCE_IN_OWN_DTYPE else self.param_dtype
+            local.dtype if REDUCE_IN_OWN_DTYPE else self.param_dtype
         )
         self._allocate_unsharded_buffer(local.device if on_meta else self._device)
 
@@ -156,9 +152,11 @@ class ShardedParam:
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
         mesh, placements, shape, stride = self._spec
-        return DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=shape, stride=stride
-        )
+        # Not DTensor.from_local: it copies a local tensor onto the mesh's device type, and a
+        # CPU-offloaded shard (and so its DTensor, whose device its `.grad` must match) has
+        # to stay in CPU memory on an accelerator's mesh. torch's fully_shard builds it so too.
+        spec = DTensorSpec(mesh, tuple(placements), TensorMeta(shape, stride, local.dtype))
+        return DTensor(local, spec, requires_grad=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -193,7 +191,6 @@ class ShardedParam:
         parameters, attr = self._home
         registered = parameters.get(attr)
         # As in every iteration: ours, sharded (its local tensor read directly).
-        # (Its local tensor read inline: a call per parameter and iteration costs more.)
         if registered is self.sharded and registered._local_tensor is self.local:  # type: ignore[attr-defined]
             if self.unsharded.requires_grad is not registered.requires_grad:
                 self.unsharded.requires_grad_(registered.requires_grad)

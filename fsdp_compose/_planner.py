@@ -6,14 +6,17 @@ which fills the collectives' outputs without other processes: the shapes, sizes 
 allocations are the real job's. torch's MemTracker gives the peak of tracked tensor
 memory per rank (parameters, gradients, optimizer state, activations, buffers), a dispatch
 counter the bytes of every collective. A candidate fits when its peak is within the
-budget. It runs on the accelerator when there is one (the memory it predicts is that
-device's), else on the CPU. CPU offload moves shards, gradients and optimizer state off the
-accelerator: a candidate there; on the CPU it would move nothing, so not a candidate.
+budget; those that do not are listed by how far they miss it. It runs on the accelerator
+when there is one (the memory it predicts is that device's), else on the CPU. CPU offload
+moves shards, gradients and optimizer state off the accelerator: a candidate there; on the
+CPU it would move nothing, so not a candidate.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -85,14 +88,31 @@ class Plan:
     bytes_per_step: int  # every all-gather's and reduce-scatter's buffer, one step
     fits: bool | None  # within the memory budget (None: no budget given)
     code: str
+    memory_budget: int | None = None  # bytes per rank, as plan() was given it
 
     def __str__(self) -> str:
-        fits = {True: "fits", False: "does not fit", None: ""}[self.fits]
         s = self.setup
         offload = ", CPU offload" if s.cpu_offload else ""
         return (f"{s.blocks_per_unit} block(s)/unit, reshard_after_forward={s.reshard_after_forward}, "
-                f"checkpoint every {s.checkpoint_every or '-'}{offload}: peak {size(self.peak_bytes)}, "
-                f"{size(self.bytes_per_step)}/step communicated {fits}".rstrip())
+                f"{_checkpointing(s.checkpoint_every)}{offload}: peak {size(self.peak_bytes)}, "
+                f"{size(self.bytes_per_step)}/step communicated{self._verdict()}")
+
+    def _verdict(self) -> str:
+        if self.fits is None:
+            return ""
+        if self.fits:
+            return " fits"
+        if self.memory_budget is None:
+            return " does not fit"
+        over = self.peak_bytes - self.memory_budget
+        return f"; does not fit: {size(over)} over the {size(self.memory_budget)} budget"
+
+
+def _checkpointing(every: int | None) -> str:
+    """Setup.checkpoint_every in words (checkpoint_blocks(every=n) recomputes every n-th block)."""
+    if every is None:
+        return "no activation checkpointing"
+    return "activation checkpointing of " + ("every block" if every == 1 else f"1 block in {every}")
 
 
 def size(nbytes: float) -> str:
@@ -104,9 +124,21 @@ def size(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """"64MiB", "1.5GB", "2048" (bytes) as bytes (binary units either way); ValueError if
+    `text` is none of these."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)i?b?\s*", text.lower())
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (e.g. 64MiB, 1.5GiB, 2048 for bytes)")
+    return int(float(match[1]) * _UNITS[match[2]])
+
+
 def plan(
     build_model: Callable[[], nn.Module], *, world_size: int, sample_input: Any,
-    memory_budget: int | None = None, loss_fn: LossFn | None = None,
+    memory_budget: int | str | None = None, loss_fn: LossFn | None = None,
     setups: Sequence[Setup] | None = None, blocks: str | None = None,
     device: torch.device | str | None = None,
 ) -> list[Plan]:
@@ -115,8 +147,9 @@ def plan(
     the output's sum), as rank 0 of `world_size` ranks on `device` (default: the
     accelerator if there is one, else the CPU), in this process (no process group may be
     initialised). Peaks are that device's memory. Returns them ranked: those that fit
-    `memory_budget` (bytes) first, then by less recomputation, no offload, fewer bytes
-    communicated, lower peak."""
+    `memory_budget` (bytes, or a size such as "4MiB") first, by less recomputation, no
+    offload, fewer bytes communicated, lower peak; then those that miss it, nearest first."""
+    budget = _budget(memory_budget)
     if dist.is_initialized():
         raise RuntimeError(
             "plan: a process group is initialised here; plan() simulates its own (fake) one. "
@@ -133,13 +166,28 @@ def plan(
     plans = [_simulate(build_model, s, world_size, sample_input, loss_fn or _sum, blocks, on)
              for s in setups]
     for p in plans:
-        p.fits = None if memory_budget is None else p.peak_bytes <= memory_budget
+        p.fits = None if budget is None else p.peak_bytes <= budget
+        p.memory_budget = budget
+    return sorted(plans, key=_rank)
 
-    def rank(p: Plan) -> tuple[bool, float, bool, int, int]:
-        recompute = 1 / p.setup.checkpoint_every if p.setup.checkpoint_every else 0.0
-        return p.fits is False, recompute, p.setup.cpu_offload, p.bytes_per_step, p.peak_bytes
 
-    return sorted(plans, key=rank)
+def _budget(memory_budget: int | str | None) -> int | None:
+    """The budget in bytes. A string is parsed as the command line's --budget is, and here,
+    before any simulation: a typo should not cost the minutes of simulating first."""
+    if not isinstance(memory_budget, str):
+        return memory_budget
+    try:
+        return parse_size(memory_budget)
+    except ValueError as e:
+        raise ValueError(f"plan: memory_budget is {e}") from None
+
+
+def _rank(p: Plan) -> tuple[bool, int, float, bool, int, int]:
+    """Plans that fit (or all, without a budget) by cost; those that miss, by how much (a
+    miss's other costs matter less than how far it is from fitting)."""
+    miss = p.peak_bytes if p.fits is False else 0
+    recompute = 1 / p.setup.checkpoint_every if p.setup.checkpoint_every else 0.0
+    return p.fits is False, miss, recompute, p.setup.cpu_offload, p.bytes_per_step, p.peak_bytes
 
 
 def _default_device() -> torch.device:
@@ -210,11 +258,21 @@ def _simulate(
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         model = build_model()
+        # Named before fully_shard swaps the class for its FSDP<Name> subclass: the printed
+        # calls must name the class the user's code has.
+        block_class = type(_layers(model, blocks)[0]).__name__
         setup.apply(model, blocks, init_device_mesh(device.type, (world_size,)))
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         tracker = MemTracker()
         tracker.track_external(model, optim)
-        with tracker:
+        with tracker, warnings.catch_warnings():
+            # MemTracker's post-accumulate-grad hook on an unsharded parameter runs after
+            # ours took its gradient to reduce (it finds .grad None, and warns); the gradient
+            # was tracked when autograd made it, so the peak is right and the warning noise.
+            warnings.filterwarnings(
+                "ignore", "Expected a tensor or a traceable wrapper-subclass of tensor",
+                UserWarning, "torch.distributed._tools.mem_tracker",
+            )
             for _ in range(2):  # the second step holds AdamW's state too
                 loss_fn(model, batch).backward()
                 optim.step()
@@ -225,7 +283,6 @@ def _simulate(
         with _CollectiveBytes() as counted:
             loss_fn(model, batch).backward()
         optim.zero_grad()
-        block_class = type(_layers(model, blocks)[0]).__name__
         return Plan(setup, peak, counted.nbytes, None, setup.code(blocks, block_class))
     finally:
         dist.destroy_process_group()

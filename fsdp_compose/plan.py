@@ -11,7 +11,6 @@ checkout), the Llama transformers' LlamaForCausalLM with a tiny config unless to
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import types
 from collections.abc import Callable
@@ -21,17 +20,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._planner import Plan, plan, size
+from ._planner import Plan, parse_size, plan, size
 
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+__all__ = ["main", "parse_size"]
 
 
-def parse_size(text: str) -> int:
-    """"64MiB", "1.5GB", "2048" (bytes) as bytes (binary units either way)."""
-    match = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)i?b?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MiB, 2GiB)")
-    return int(float(match[1]) * _UNITS[match[2]])
+def _budget_argument(text: str) -> int:
+    """--budget, parsed as plan() parses a string memory_budget; argparse shows its message."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _gpt(args: argparse.Namespace) -> Callable[[], nn.Module]:
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("gpt", "llama"), default="gpt")
     parser.add_argument("--world-size", type=int, default=8)
-    parser.add_argument("--budget", type=parse_size, help="memory per rank, e.g. 64MiB")
+    parser.add_argument("--budget", type=_budget_argument, help="memory per rank, e.g. 64MiB")
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -95,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     if best.fits is not False:
         print("\nrealised by:\n" + best.code)
     else:
-        print("\nno setup fits the budget: more ranks, or a smaller batch per rank")
+        print("\nno setup fits the budget (nearest first above): more ranks, or a smaller "
+              "batch per rank")
 
 
 class _CallableModule(types.ModuleType):

@@ -1,12 +1,12 @@
 """plan(): its predicted peak memory per rank is within 10 % of a real 2-rank gloo run of
-the same setup, its bytes per step are the run's, and the setup it ranks first under a
-budget fits that budget when run."""
+the same setup, its bytes per step are the run's, the setup it ranks first under a
+budget fits that budget when run, and the calls it prints run as printed."""
 
 from __future__ import annotations
 
 import torch
 
-from fsdp_compose import Setup, plan
+from fsdp_compose import CPUOffloadPolicy, Setup, checkpoint_blocks, fully_shard, plan
 from tests.dist.test_collectives import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
 from tests.models import Transformer, lm_loss, token_batch
 
@@ -80,3 +80,51 @@ def test_the_first_under_a_budget_fits_it(ranks):
     measured_peak, _ = ranks.run(check_measured, setup=ranked[0].setup)[0]
     assert measured_peak <= budget
 
+
+
+class MyBlock(torch.nn.Module):
+    """A block class of the user's: fully_shard makes each instance an FSDPMyBlock, a class
+    the user's code does not have. Counts its forward calls (recomputation calls it again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(7, 7)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.relu(self.linear(x))
+
+
+class MyModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(MyBlock() for _ in range(4))
+        self.head = torch.nn.Linear(7, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
+def check_printed_calls_run(code: str) -> list[int]:
+    """Run `code` as a user pastes it, on a fresh model; each block's forward calls in one
+    step (2 where it was recomputed)."""
+    model = MyModel()
+    names = {"model": model, "MyBlock": MyBlock, "checkpoint_blocks": checkpoint_blocks,
+             "fully_shard": fully_shard, "CPUOffloadPolicy": CPUOffloadPolicy}
+    exec(code, names)
+    model(torch.randn(4, 7)).sum().backward()
+    return [block.calls for block in model.layers]
+
+
+def test_the_printed_calls_name_the_users_block_class_and_run(ranks):
+    (p,) = plan(MyModel, world_size=2, sample_input=torch.randn(4, 7), setups=[Setup(checkpoint_every=2)])
+    assert p.code == (
+        "checkpoint_blocks(model, MyBlock, every=2)\n"
+        "for block in model.layers:\n"
+        "    fully_shard(block)\n"
+        "fully_shard(model)"
+    )
+    assert ranks.run(check_printed_calls_run, code=p.code) == [[2, 1, 2, 1]] * 2

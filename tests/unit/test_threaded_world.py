@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.common_distributed import spawn_threads_and_init_comms
 
 from fsdp_compose import fully_shard
@@ -41,6 +42,11 @@ def train_one_step(_self: object) -> None:
 
 
 def test_worlds_built_one_after_another_train_alike() -> None:
+    # DTensor enters a FakeTensorMode on each rank's first parameter; on a CUDA build without
+    # a GPU, torch 2.11 crashes (SIGSEGV) when threads enter the first one at the same time.
+    # Entering one here first, in the main thread, is what any user of threaded worlds needs.
+    with FakeTensorMode():
+        pass
     for _ in range(2):  # the second world must not reach the first world's groups
         RESULTS.clear()
         train_one_step(object())
