@@ -9,13 +9,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._collectives import all_gather_object, collective_failed
-from ._multi_mesh import AnyUnit
+from ._unit import Unit
 
 # One rank's view: (label, digest of its parameters) per unit, and its local problem.
 _RankView = tuple[list[tuple[str, str]], str | None]
 
 
-def check_ranks_agree(units: list[AnyUnit], mesh: DeviceMesh, problem: str | None) -> None:
+def check_ranks_agree(units: list[Unit], mesh: DeviceMesh, problem: str | None) -> None:
     """Raise on every rank of `mesh` if any rank has a `problem` (a local check's message)
     or if the ranks' units differ in names, shapes or dtypes of their parameters."""
     local: _RankView = ([(u.label, _digest(u)) for u in units], problem)
@@ -41,16 +41,16 @@ def check_ranks_agree(units: list[AnyUnit], mesh: DeviceMesh, problem: str | Non
                 _raise_difference(units, gathered[0][0], described, group, index)
 
 
-def _describe(unit: AnyUnit) -> list[str]:
+def _describe(unit: Unit) -> list[str]:
     return [f"{p.fqn} {tuple(p.shape)} {p.sharded.dtype}" for p in unit.params]
 
 
-def _digest(unit: AnyUnit) -> str:
+def _digest(unit: Unit) -> str:
     return hashlib.sha1("\n".join(_describe(unit)).encode()).hexdigest()
 
 
 def _raise_difference(
-    units: list[AnyUnit], first: list[tuple[str, str]], other: list[tuple[str, str]],
+    units: list[Unit], first: list[tuple[str, str]], other: list[tuple[str, str]],
     group: dist.ProcessGroup, index: int,
 ) -> None:
     at = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), min(len(first), len(other)))

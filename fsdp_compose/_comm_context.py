@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ._multi_mesh import AnyUnit
+from ._unit import Unit
 
 
 class CommContext:
@@ -22,10 +22,10 @@ class CommContext:
         self.max_all_gathers = 2
         self.max_reductions = 1
         self.changed_by: str | None = None  # the module whose setter changed a bound
-        self._gathers: list[AnyUnit] = []  # started asynchronously, oldest first
-        self._reductions: deque[AnyUnit] = deque()
+        self._gathers: list[Unit] = []  # started asynchronously, oldest first
+        self._reductions: deque[Unit] = deque()
 
-    def prefetch(self, unit: AnyUnit) -> None:
+    def prefetch(self, unit: Unit) -> None:
         """Start `unit`'s all-gather without waiting; its unshard() finishes it."""
         if unit.is_unsharded or unit.gather_in_flight or not unit.params:
             return
@@ -38,7 +38,7 @@ class CommContext:
         unit.unshard(async_op=True)
         gathers.append(unit)
 
-    def reduce(self, unit: AnyUnit) -> None:
+    def reduce(self, unit: Unit) -> None:
         """Start `unit`'s gradient reduction; `finish_reductions` (or a later one) ends it."""
         while len(self._reductions) >= self.max_reductions:
             self._reductions.popleft().finish_reduction()

@@ -14,7 +14,7 @@ from ._codec import AllGatherCodec
 from ._collectives import CustomComm
 from ._hooks import UnitState
 from ._meshes import separate_group
-from ._unit import Unit
+from ._part import MeshPart
 
 
 class CommSetters:
@@ -136,7 +136,8 @@ class CommSetters:
         each unit's shard ranks: call it on every rank alike."""
         for state in self._states(recurse):
             for part in state.unit.parts:
-                part.reducer.group = separate_group(part.group) if enable else part.group
+                group = part.mesh.shard_group
+                part.reducer.group = separate_group(group) if enable else group
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         _not_yet(self, "allocating communication buffers from the process group (CUDA)")
@@ -145,7 +146,7 @@ class CommSetters:
         _not_yet(self, "symmetric-memory communication buffers (CUDA)")
 
 
-def _one_mesh(module: CommSetters, setter: str) -> Unit:
+def _one_mesh(module: CommSetters, setter: str) -> MeshPart:
     """The module's unit, when its parameters are on one mesh (torch refuses these setters
     too when shard_placement_fn put some on another)."""
     parts = module._state().unit.parts

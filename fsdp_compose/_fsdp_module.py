@@ -13,7 +13,7 @@ from ._hooks import UnitState, state_of
 from ._meshes import resolve_reshard_after_forward
 from ._phase import in_backward
 from ._root import STATE_ATTR
-from ._multi_mesh import AnyUnit
+from ._unit import Unit
 
 
 class FSDPModule(CommSetters):
@@ -157,16 +157,16 @@ class FSDPModule(CommSetters):
         for state in states:  # check every unit (every mesh of one) before changing any
             for part in state.unit.parts:
                 where = f"{type(self).__name__}.set_reshard_after_forward"
-                check_reshard_after_forward(reshard_after_forward, where, part.mesh.size(-1))
-                smaller = reshard_after_forward not in (True, False, 1, part.mesh.size(-1))
+                check_reshard_after_forward(reshard_after_forward, where, part.mesh.shard_size)
+                smaller = reshard_after_forward not in (True, False, 1, part.mesh.shard_size)
                 if smaller and (tp := [p.fqn for p in part.params if p.is_tensor_parallel]):
                     refuse_post_forward_tensor_parallel(where, tp[0])
         for state in states:
             for part in state.unit.parts:
                 reshard, post_forward_mesh = resolve_reshard_after_forward(
-                    reshard_after_forward, part.mesh
+                    reshard_after_forward, part.device_mesh
                 )
-                part.set_post_forward_mesh(post_forward_mesh)
+                part.gatherer.set_post_forward_mesh(post_forward_mesh)
             state.reshard_after_forward = reshard
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
@@ -220,7 +220,7 @@ class GradientReductionHandle:
 class UnshardHandle:
     """Returned by `FSDPModule.unshard(async_op=True)`: `wait()` finishes the unshard."""
 
-    def __init__(self, unit: AnyUnit) -> None:
+    def __init__(self, unit: Unit) -> None:
         self._unit = unit
 
     def wait(self) -> None:

@@ -19,7 +19,7 @@ from ._init import move_buffers, sync_from_first_rank, unit_buffers
 from ._meshes import DataParallelMeshDims, UnitMesh, default_mesh, unit_mesh
 from ._param import ShardedParam
 from ._replaced import mark_replaced
-from ._multi_mesh import MultiMeshUnit
+from ._part import MeshPart
 from ._placement import ShardPlacementFn, shard_placements
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._root import STATE_ATTR
@@ -176,16 +176,16 @@ def _annotate(
 
 def _unit_of(
     params: list[ShardedParam], meshes: list[UnitMesh], resolved: UnitMesh, name: str
-) -> Unit | MultiMeshUnit:
-    """One Unit over the parameters, or one per mesh when shard_placement_fn put some on
-    their own (the unit's mesh first)."""
+) -> Unit:
+    """A unit of one part per mesh its parameters are on (shard_placement_fn may put some
+    on their own), the unit's mesh first."""
     by_mesh: dict[int, tuple[UnitMesh, list[ShardedParam]]] = {id(resolved): (resolved, [])}
     for param, mesh in zip(params, meshes):
         by_mesh.setdefault(id(mesh), (mesh, []))[1].append(param)
-    parts = [Unit(group, mesh, name) for mesh, group in by_mesh.values()]
+    parts = [MeshPart(group, mesh, name) for mesh, group in by_mesh.values()]
     for part, (mesh, _) in zip(parts, by_mesh.values()):
-        part.set_post_forward_mesh(mesh.post_forward_mesh)
-    return parts[0] if len(parts) == 1 else MultiMeshUnit(parts)
+        part.gatherer.set_post_forward_mesh(mesh.post_forward_mesh)
+    return Unit(parts)
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from . import _observer
 from ._backward_done import BackwardEnd
 from ._comm_context import CommContext
 from ._phase import (
@@ -26,7 +27,7 @@ from ._policies import MixedPrecisionPolicy, cast_floating
 from ._prefetch import Prefetch
 from ._root import STATE_ATTR, Root
 from ._param import ShardedParam
-from ._multi_mesh import AnyUnit
+from ._unit import Unit
 from ._unmanaged import stop_watching
 
 
@@ -42,7 +43,7 @@ class UnitState:
     root: Root[UnitState]  # set at lazy init (the first forward), when `initialised` becomes True
 
     def __init__(
-        self, modules: list[nn.Module], unit: AnyUnit, reshard_after_forward: bool | None,
+        self, modules: list[nn.Module], unit: Unit, reshard_after_forward: bool | None,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules
@@ -98,12 +99,15 @@ class UnitState:
     def is_root(self) -> bool:
         return self.initialised and self.root.state is self
 
-    def _bad_transition(self, phase: Phase) -> str:
-        # The hooks assert `phase in self.phase.next` inline (a call per hook costs more).
-        return (
-            f"fsdp_compose unit {self.label} on rank {self.unit.mesh.get_rank()}: "
-            f"{self.phase.name} -> {phase.name}"
-        )
+    def _go_to(self, phase: Phase) -> None:
+        """Move to `phase`, or raise: a hook ran out of order (e.g. forward run again
+        inside a forward of the same unit, or a backward hook without a forward)."""
+        if phase not in self.phase.next:
+            raise RuntimeError(
+                f"fsdp_compose: unit {self.label} on rank {self.unit.mesh.get_rank()} cannot go "
+                f"from {self.phase.name} to {phase.name}: its hooks ran out of order."
+            )
+        self.phase = phase
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -130,8 +134,7 @@ class UnitState:
                 root.begin_forward(self)
             self.prefetch.forward_index = len(root.forward_order)
             root.forward_order.append(self)
-        assert FORWARD in self.phase.next, self._bad_transition(FORWARD)  # type: ignore[attr-defined]
-        self.phase = FORWARD
+        self._go_to(FORWARD)
         self.unit.unshard()  # also finishes a prefetch's gather
         if self.borrowed_from:
             self._unshard_lenders()
@@ -207,8 +210,7 @@ class UnitState:
                 self.phase = IDLE
 
     def _finish_forward(self) -> None:
-        assert IDLE in self.phase.next, self._bad_transition(IDLE)  # type: ignore[attr-defined]
-        self.phase = IDLE
+        self._go_to(IDLE)
         root = self.root
         before = root.last_post_forward
         self.prefetch.ended_forward_before = () if before is None else (before,)
@@ -234,8 +236,7 @@ class UnitState:
 
     def _pre_backward(self, grad: Any) -> None:
         if self.phase is not PRE_BACKWARD:
-            assert PRE_BACKWARD in self.phase.next, self._bad_transition(PRE_BACKWARD)  # type: ignore[attr-defined]
-            self.phase = PRE_BACKWARD
+            self._go_to(PRE_BACKWARD)
             self.backward_end.begin()
             if not self.root.final_callback_queued:
                 self.root.queue_final_callback()
@@ -243,6 +244,8 @@ class UnitState:
             self.unit.unshard()  # also finishes a prefetch's gather
         if self.borrowed_from:
             self._unshard_lenders()
+        if (observer := _observer.current) is not None:
+            observer.backward_began(self)
         for other in self.prefetch.in_backward():
             # Not one whose backward is done already (gathered again for nothing).
             if other.unshard_in_backward and other.phase is not POST_BACKWARD:

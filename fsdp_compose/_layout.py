@@ -1,20 +1,120 @@
-"""How a unit's parameters lie in memory: their padded shards back to back in one flat
-tensor (which the all-gather sends as is), their unsharded data in one storage, and their
-registrations grouped by owning module (what one dict update swaps)."""
+"""How a part's parameters lie in memory and travel: their padded shards back to back in one
+flat tensor (which the all-gather sends as is), their unsharded data in one storage, their
+registrations grouped by owning module (what one dict update swaps), and the dtypes and
+sizes both collectives use. Built in one function, read by the Gatherer and the Reducer,
+built anew when the parameters change (a dtype, a shard, all-gather hooks)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from ._extension import GatherExtension, carried_problem, has_extension
+from ._meshes import UnitMesh, shard_mesh
 from ._param import Registration, ShardedParam
 
 # One owning module's _parameters, and the sharded and the unsharded forms of its
 # parameters in a unit, by name: what one dict update registers.
 OwnerForms = tuple[dict[str, Any], dict[str, nn.Parameter], dict[str, nn.Parameter]]
+# The spec of a collective's rows: (shape, dtype, device); see ReusedBuffer.take.
+BufferSpec = tuple[tuple[int, int], torch.dtype, torch.device]
+
+
+class DtypeFacts(NamedTuple):
+    """What the parameters' dtypes make of a part's collectives."""
+
+    param_dtype: torch.dtype  # what the first parameter gathers and computes in
+    reduce_dtype: torch.dtype  # the widest reduce dtype of the parameters that train
+    is_complex: bool  # sent as real pairs
+    mixed_dtypes: bool  # the parameters gather in different dtypes: sent as bytes
+
+
+class Layout(NamedTuple):
+    """One part's parameters laid out (see the module docstring). Immutable: a change to
+    the parameters builds a new one."""
+
+    dtypes: DtypeFacts
+    flat: torch.Tensor | None  # every padded shard; None with mixed dtypes or hooks
+    flat_needs_cast: bool  # to param_dtype or to the device (CPU offload) at each gather
+    gather_spec: BufferSpec | None  # of an all-gather of `flat`
+    reduce_spec: BufferSpec  # of a reduce-scatter of every parameter's gradient
+    storages: list[tuple[torch.UntypedStorage, int]]  # unsharded data, freed as size 0
+    targets: list[torch.Tensor]  # where each parameter's gathered rows land
+    registrations: list[OwnerForms]
+    extended: list[ShardedParam]  # with all-gather hooks: see _extension.py
+
+
+def dtype_facts(params: list[ShardedParam]) -> DtypeFacts:
+    training = [p.reduce_dtype for p in params if p.sharded.requires_grad]
+    first = params[0]
+    return DtypeFacts(
+        param_dtype=first.param_dtype,
+        reduce_dtype=functools.reduce(torch.promote_types, training or [first.reduce_dtype]),
+        is_complex=first.param_dtype.is_complex,
+        mixed_dtypes=len({p.param_dtype for p in params}) > 1,
+    )
+
+
+def lay_out(
+    params: list[ShardedParam], mesh: UnitMesh, sizes: list[int], label: str,
+    refuse_unhooked: bool,
+) -> Layout | None:
+    """Lay `params` out over `mesh` (`sizes`: each one's padded shard). The unsharded
+    storages come back freed. None when a tensor-subclass shard has no all-gather hooks
+    yet and not `refuse_unhooked` (fully_shard lays out at once; the hooks may be
+    attached after it, before the first gather, which then refuses the subclass)."""
+    if not _find_extensions(params, mesh, label, refuse_unhooked):
+        return None
+    extended = [p for p in params if p.extension is not None]
+    dtypes = dtype_facts(params)
+    rows, numel, device = mesh.shard_size, sum(sizes), mesh.device
+    flat = None if extended else flat_shards(params, numel)
+    gather_spec = None if flat is None else ((rows, numel), dtypes.param_dtype, device)
+    plain = [(p, n) for p, n in zip(params, sizes) if p.extension is None]  # hooks build theirs
+    buffers = unsharded_buffers(
+        [p for p, _ in plain], rows, [n for _, n in plain], dtypes.param_dtype, device
+    ) if plain else []
+    # Freed by resizing to 0 rather than dropped: autograd may have saved the unsharded
+    # parameters, and what it saved must see the data of the next all-gather.
+    storages = [(b.untyped_storage(), b.nbytes) for b in buffers]
+    for storage, _ in storages:
+        storage.resize_(0)
+    return Layout(
+        dtypes=dtypes,
+        flat=flat,
+        flat_needs_cast=flat is not None and (flat.dtype, flat.device) != (dtypes.param_dtype, device),
+        gather_spec=gather_spec,
+        reduce_spec=((rows, numel), dtypes.reduce_dtype, device),
+        storages=storages,
+        targets=[p.gather_target for p in params],
+        registrations=forms_by_owner(r for p in params for r in p.registrations()),
+        extended=extended,
+    )
+
+
+def _find_extensions(
+    params: list[ShardedParam], mesh: UnitMesh, label: str, refuse_unhooked: bool
+) -> bool:
+    """Give each parameter whose local shard has all-gather hooks its GatherExtension
+    (kept while the shard is the same), and no other parameter one. Whether every
+    tensor-subclass shard has hooks; with `refuse_unhooked`, one without raises."""
+    for p in params:
+        where = f"fsdp_compose: unit {label}: parameter {p.fqn!r}"
+        if not has_extension(p.local, where):
+            if (problem := carried_problem(where, p.local)) is not None:
+                if refuse_unhooked:  # on every rank alike: they hold the same model
+                    raise TypeError(problem)
+                return False
+            p.extension = None
+        elif p.extension is None:
+            p.extension = GatherExtension(
+                p.fqn, p.owners[0][0], shard_mesh(mesh.mesh), p.shape, p.mp_policy
+            )
+    return True
 
 
 def flat_shards(params: list[ShardedParam], numel: int) -> torch.Tensor | None:

@@ -4,40 +4,22 @@ HSDP, one all-reduce across replicas), into the unit's gradient ledger."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.distributed import ProcessGroup, Work
 
+from . import _observer
 from ._buffer import ReusedBuffer
 from ._collectives import (
     CustomComm, GradReduction, all_reduce, allocate, collective_failed, grad_reduction,
     reduce_scatter,
 )
-from ._grad_ledger import GradLedger
+from ._layout import BufferSpec, DtypeFacts, dtype_facts
 from ._param import ShardedParam
-from ._streams import SideStreams
 
-
-class ReducedUnit(Protocol):
-    """What a Reducer reads of its unit (see Unit)."""
-
-    params: list[ShardedParam]
-    label: str
-    device: torch.device
-    streams: SideStreams | None
-    shard_size: int
-    replicate_group: ProcessGroup | None
-    replicate_size: int
-    sizes: list[int]
-    shard_numel: int
-    is_complex: bool
-    mixed_dtypes: bool
-    all_dim0: bool
-    grads: GradLedger
-
-    @property
-    def reduce_dtype(self) -> torch.dtype: ...
+if TYPE_CHECKING:  # the part owns its reducer
+    from ._part import MeshPart
 
 
 class _Reduction(NamedTuple):
@@ -57,31 +39,23 @@ class _Reduction(NamedTuple):
 
 
 class Reducer:
-    """Averages a unit's gradients over the mesh. Its settings are FSDPModule's setters'."""
+    """Averages a part's gradients over its mesh. Its settings are FSDPModule's setters'."""
 
-    def __init__(self, unit: ReducedUnit, group: ProcessGroup) -> None:
-        self._unit = unit
-        self.params = unit.params
+    def __init__(self, part: MeshPart) -> None:
+        self._part = part
+        self.params = part.params
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
         self.requires_all_reduce = True
         self.reduce_scatter_unused_params = False
         # Run on each reduced gradient buffer before the final division (set_all_reduce_hook).
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.group = group  # set_separate_reduce_scatter_group changes it
+        self.group: ProcessGroup = part.mesh.shard_group  # or a separate one (a setter)
         self.custom_reduce_scatter: CustomComm | None = None
-        self._reduction: GradReduction | None = None  # see _grad_reduction
-        # The buffer spec (shape, dtype, device) of a reduction of every parameter's
-        # gradient, made once per layout: see ReusedBuffer.take.
-        self._spec: tuple[tuple[int, int], torch.dtype, torch.device] | None = None
+        # How gradients are averaged, for the dtypes it was made for: see _grad_reduction.
+        self._reduction: tuple[GradReduction, torch.dtype] | None = None
         self._buffer = ReusedBuffer()  # the reduce-scatter's input, unless custom allocates
         self._pending: _Reduction | None = None
-
-    def layout_changed(self) -> None:
-        """The parameters were laid out anew: their reduce dtype may have changed."""
-        unit = self._unit
-        self._spec = ((unit.shard_size, unit.shard_numel), unit.reduce_dtype, unit.device)
-        self._reduction = None
 
     def held_bytes(self) -> int:
         """Bytes held beyond the shards: the reduce-scatter's input and output in flight."""
@@ -106,16 +80,23 @@ class Reducer:
         """
         if self._pending is not None:
             self.finish_reduction()  # this unit's reduction of an earlier part of the backward
+        part, layout = self._part, self._part.layout
+        if (observer := _observer.current) is not None:
+            observer.begin(part, _observer.ISSUE_REDUCE)
         params, grads = self._grads_to_reduce()
         if not params:
+            if observer is not None:
+                observer.end(part, _observer.ISSUE_REDUCE)
             return False
-        unit = self._unit
-        if len(params) == len(self.params) and self._spec is not None:
-            sizes, numel, spec = unit.sizes, unit.shard_numel, self._spec
+        dtypes = dtype_facts(self.params) if layout is None else layout.dtypes
+        spec: BufferSpec
+        if len(params) == len(self.params) and layout is not None:
+            sizes, spec = part.sizes, layout.reduce_spec
+            numel = spec[0][1]
         else:
             sizes = [p.layout.padded_shard_numel for p in params]
             numel = sum(sizes)
-            spec = ((unit.shard_size, numel), unit.reduce_dtype, unit.device)
+            spec = ((part.mesh.shard_size, numel), dtypes.reduce_dtype, part.device)
         custom = self.custom_reduce_scatter
         if custom is None:  # row r: what rank r keeps, param after param
             rows = self._buffer.take(spec)
@@ -123,43 +104,45 @@ class Reducer:
         else:
             rows = allocate(custom, *spec)
             flat = rows.view(-1)
-        if unit.mixed_dtypes:  # one dtype in: _chunk_cat needs it
+        if dtypes.mixed_dtypes:  # one dtype in: _chunk_cat needs it
             grads = [g.to(spec[1]) for g in grads]
-        if not unit.all_dim0:  # each rank's slice on the shard dim first: see ShardLayout
+        if not part.all_dim0:  # each rank's slice on the shard dim first: see ShardLayout
             grads = [p.layout.rank_first(g) for p, g in zip(params, grads)]
         # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
         # pads them to the shard layout and casts to reduce_dtype. Private: docs/design.md.
-        torch._chunk_cat(grads, dim=0, num_chunks=unit.shard_size, out=rows)
-        reduction = self._grad_reduction()
-        side = unit.streams
+        torch._chunk_cat(grads, dim=0, num_chunks=part.mesh.shard_size, out=rows)
+        reduction = self._grad_reduction(dtypes)
+        side = part.streams
         final = None
         work: Work | torch.Event | None
         if side is None:
-            reduced, work = self._reduce_scatter(flat, numel, reduction, async_op=True)
+            reduced, work = self._reduce_scatter(flat, numel, reduction, dtypes, async_op=True)
         else:
             with side.reducing():
-                reduced, _ = self._reduce_scatter(flat, numel, reduction, async_op=False)
-                if unit.replicate_group is not None:  # on this stream: it overlaps compute too
+                reduced, _ = self._reduce_scatter(flat, numel, reduction, dtypes, async_op=False)
+                if part.mesh.replicate_group is not None:  # on this stream: overlaps compute
                     final = self._combine_replicas(params, sizes, reduced, reduction)
                 work = side.reduced()
         self._pending = _Reduction(work, rows, reduced, params, sizes, reduction, final)
+        if observer is not None:
+            observer.end(part, _observer.ISSUE_REDUCE, rows.nbytes)
         return True
 
-    def _grad_reduction(self) -> GradReduction:
-        """How this unit's gradients are averaged, kept until its settings or its layout
-        (so its reduce dtype) change: cheaper than the cached function's key, at every
-        reduction."""
-        if self._reduction is None:
-            unit = self._unit
-            self._reduction = grad_reduction(
-                unit.shard_size, unit.replicate_size, unit.reduce_dtype,
+    def _grad_reduction(self, dtypes: DtypeFacts) -> GradReduction:
+        """How this part's gradients are averaged, kept until its settings or its reduce
+        dtype change: cheaper than the cached function's key, at every reduction."""
+        if self._reduction is None or self._reduction[1] is not dtypes.reduce_dtype:
+            mesh = self._part.mesh
+            reduction = grad_reduction(
+                mesh.shard_size, mesh.replicate_size, dtypes.reduce_dtype,
                 self.gradient_divide_factor, self.force_sum_reduction,
             )
-        return self._reduction
+            self._reduction = reduction, dtypes.reduce_dtype
+        return self._reduction[0]
 
     def _grads_to_reduce(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
         """The parameters that take part in a reduction, and their unsharded gradients."""
-        ledger = self._unit.grads
+        ledger = self._part.grads
         params, grads = [], []
         for p in self.params:
             if (grad := ledger.take_unsharded(p)) is None:
@@ -168,29 +151,31 @@ class Reducer:
                     or (self.reduce_scatter_unused_params and p.sharded.requires_grad)
                 ):
                     continue
-                grad = torch.zeros(p.layout.shape, dtype=p.param_dtype, device=self._unit.device)
+                grad = torch.zeros(p.layout.shape, dtype=p.param_dtype, device=self._part.device)
             params.append(p)
             grads.append(grad)
         return params, grads
 
     def _reduce_scatter(
-        self, flat: torch.Tensor, numel: int, reduction: GradReduction, async_op: bool
+        self, flat: torch.Tensor, numel: int, reduction: GradReduction, dtypes: DtypeFacts,
+        async_op: bool,
     ) -> tuple[torch.Tensor, Work | None]:
         """Reduce-scatter `flat` (row r: rank r's `numel` values) into a new tensor."""
-        unit, custom = self._unit, self.custom_reduce_scatter
+        part, custom = self._part, self.custom_reduce_scatter
+        shard_size = part.mesh.shard_size
         if custom is None:
             reduced = flat.new_empty(numel)  # cheaper than torch.empty with dtype and device
         else:
             reduced = allocate(custom, (numel,), flat.dtype, flat.device)
         output, input = reduced, flat
-        if unit.is_complex:  # sent as real pairs, as torch.distributed sends them
+        if dtypes.is_complex:  # sent as real pairs, as torch.distributed sends them
             output, input = torch.view_as_real(reduced), torch.view_as_real(flat)
         try:
             work = reduce_scatter(
-                output, input, self.group, unit.shard_size, reduction, custom, async_op=async_op,
+                output, input, self.group, shard_size, reduction, custom, async_op=async_op,
             )
         except RuntimeError as error:
-            raise collective_failed(unit.label, "reduce-scatter", unit.shard_size, error) from error
+            raise collective_failed(part.label, "reduce-scatter", shard_size, error) from error
         return reduced, work
 
     def finish_reduction(self) -> None:
@@ -200,17 +185,24 @@ class Reducer:
         if (pending := self._pending) is None:
             return
         self._pending = None
-        unit = self._unit
+        if (observer := _observer.current) is not None:
+            observer.begin(self._part, _observer.WAIT_REDUCE)
+        self._finish(pending)
+        if observer is not None:
+            observer.end(self._part, _observer.WAIT_REDUCE)
+
+    def _finish(self, pending: _Reduction) -> None:
+        part = self._part
         if pending.work is not None:
             try:
                 pending.work.wait()
             except RuntimeError as error:
                 raise collective_failed(
-                    unit.label, "reduce-scatter", unit.shard_size, error
+                    part.label, "reduce-scatter", part.mesh.shard_size, error
                 ) from error
         self._buffer.release()
         reduced, reduction = pending.output, pending.reduction
-        if unit.replicate_group is not None:
+        if part.mesh.replicate_group is not None:
             final = pending.final
             if final is None:
                 final = self._combine_replicas(pending.params, pending.sizes, reduced, reduction)
@@ -220,7 +212,7 @@ class Reducer:
             self.all_reduce_hook(reduced)
         if reduction.post_divide is not None:
             reduced.div_(reduction.post_divide)
-        unit.grads.hold(pending.params, pending.sizes, reduced)
+        part.grads.hold(pending.params, pending.sizes, reduced)
 
     def _combine_replicas(
         self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor,
@@ -229,7 +221,7 @@ class Reducer:
         """HSDP: add each parameter's partial sum from earlier reductions to its reduced
         shard and all-reduce across replicas, or, without all-reduce, keep the shards as
         partial sums. Returns whether `reduced` holds final shards."""
-        unit, ledger = self._unit, self._unit.grads
+        mesh, ledger = self._part.mesh, self._part.grads
         shards = list(zip(params, torch.split_with_sizes(reduced, sizes)))
         for p, shard in shards:
             if (partial := ledger.take_partial(p)) is not None:
@@ -237,11 +229,11 @@ class Reducer:
         if not self.requires_all_reduce:
             ledger.keep_partial(shards)
             return False
-        assert unit.replicate_group is not None
+        assert mesh.replicate_group is not None
         try:
-            all_reduce(reduced, reduction.all_reduce_op, unit.replicate_group)
+            all_reduce(reduced, reduction.all_reduce_op, mesh.replicate_group)
         except RuntimeError as error:
-            raise collective_failed(unit.label, "all-reduce", unit.replicate_size, error) from error
+            raise collective_failed(self._part.label, "all-reduce", mesh.replicate_size, error) from error
         ledger.spend_partial(p for p, _ in shards)
         return True
 

@@ -15,7 +15,7 @@ from torch.autograd import Variable
 
 from ._agreement import check_ranks_agree
 from ._comm_context import CommContext
-from ._multi_mesh import AnyUnit
+from ._unit import Unit
 
 STATE_ATTR = "_fsdp_compose_state"  # where fully_shard attaches a module's unit state
 
@@ -24,7 +24,7 @@ class Member(Protocol):
     """What a root reads and calls of the units under it (see UnitState in _hooks.py)."""
 
     modules: list[nn.Module]
-    unit: AnyUnit
+    unit: Unit
 
     @property
     def label(self) -> str: ...

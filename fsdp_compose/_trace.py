@@ -2,19 +2,16 @@
 all-gathers and reduce-scatters (issued, waited for, bytes, time the rank was blocked), its
 forward and backward compute, and the memory held at each.
 
-While a trace is open it wraps the methods that issue and wait for each unit's
-collectives and hooks its modules' forward; on exit it removes every wrapper and hook, so
-the runtime then runs exactly the code it runs untraced (nothing to pay when off). Each
-span is also a `torch.profiler.record_function` range, "fsdp::<unit> <what> <pass>", so it
-shows in torch.profiler traces. Rendering (table, Chrome trace, picture) is in
-_trace_report.py.
+While a trace is open it is the runtime's observer (_observer.py), told of each part's
+collectives and each unit's backward, and it hooks its modules' forward; on exit it
+removes both, so the runtime then pays one None check per event. Each span is also a
+`torch.profiler.record_function` range, "fsdp::<unit> <what> <pass>", so it shows in
+torch.profiler traces. Rendering (table, Chrome trace, picture) is in _trace_report.py.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from types import MethodType
 from typing import Any
 
 import torch
@@ -22,16 +19,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import _observer
 from ._hooks import UnitState, state_of
 from ._phase import in_backward
 from ._trace_report import (
     ALL_GATHER, BACKWARD, COMPUTE, FORWARD, REDUCE_SCATTER, Span, chrome_trace, draw_timeline,
     unit_table,
 )
-from ._unit import Unit
-
-# The trace open now, if any: one at a time, as each wraps methods of the runtime's classes.
-_open: list[StepTrace] = []
 
 
 class StepTrace:
@@ -55,71 +49,87 @@ class StepTrace:
         if not states:
             raise ValueError(f"StepTrace: {type(model).__name__} has no fully_shard units.")
         self._states: list[UnitState] = list(states.values())
-        self._undo: list[Callable[[], None]] = []
+        self._state_ids = set(states)
+        # Each part of this model's units, by id, and the unit state it belongs to.
+        self._part_of: dict[int, UnitState] = {
+            id(part): s for s in self._states for part in s.unit.parts
+        }
+        self._hooks: list[RemovableHandle] = []
         self._origin = 0.0
         self._open: dict[tuple[int, str, str], Span] = {}  # spans begun, not yet ended
-        # Methods wrapped in their class while open: the class's own function, and the
-        # wrapper of each traced instance (by id).
-        self._originals: dict[tuple[type, str], Callable[..., Any]] = {}
-        self._routes: dict[tuple[type, str], dict[int, Callable[..., Any]]] = {}
+        # Events begun, not yet ended: their start and profiler range, by (part, event).
+        self._events: dict[tuple[int, str], tuple[float, Any]] = {}
         self._device = self._states[0].unit.device  # every unit of a model computes there
 
     # -- opening and closing -----------------------------------------------------------------
 
     def __enter__(self) -> StepTrace:
-        if _open:
+        if _observer.current is not None:
             raise RuntimeError("StepTrace: another trace is open; one at a time (close it first).")
-        _open.append(self)
         self._origin = time.perf_counter()
-        try:
-            for state in self._states:
-                for part in state.unit.parts:
-                    self._wrap_unit(state, part)
-                self._wrap_state(state)
-        except BaseException:
-            self.__exit__()  # what was wrapped so far, unwrapped
-            raise
+        for state in self._states:
+            self._hook_forward(state)
+        _observer.observe(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for undo in reversed(self._undo):
-            undo()
-        self._undo.clear()
-        self._originals.clear()
-        self._routes.clear()
-        _open.remove(self)
+        _observer.observe(None)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for _, record in self._events.values():  # ranges an exception left open
+            record.__exit__(None, None, None)
+        self._events.clear()
 
     def _now(self) -> float:
         return time.perf_counter() - self._origin
 
-    def _patch(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        """Make `owner.name` call `make(original)` until exit. An instance attribute (a bound
-        method kept there) gets the wrapper as its value; a method of the class is wrapped
-        in the class, for `owner` only. (Adding and deleting instance attributes, or even
-        reading `vars(owner)`, would leave the instance's attributes slower to read after
-        the trace: CPython then keeps them in a dict of their own.)"""
-        cls = type(owner)
-        current = getattr(owner, name)
-        if not (isinstance(current, MethodType) and current.__self__ is owner
-                and current.__func__ is cls.__dict__.get(name)):
-            setattr(owner, name, make(current))
-            self._undo.append(lambda: setattr(owner, name, current))
+    def _hook_forward(self, state: UnitState) -> None:
+        def forward_began(module: nn.Module, args: Any) -> None:
+            if not in_backward():  # (a recomputation in backward belongs to backward)
+                self._begin(state, COMPUTE, FORWARD, self._now())
+
+        def forward_ended(module: nn.Module, args: Any, output: Any) -> None:
+            self._end(state, COMPUTE, FORWARD)
+
+        for module in state.modules:
+            self._hooks.append(module.register_forward_pre_hook(forward_began))  # after fully_shard's
+            self._hooks.append(module.register_forward_hook(forward_ended, prepend=True))  # before its
+
+    # -- the runtime's events (see _observer.py) -------------------------------------------------
+
+    def begin(self, part: object, event: str) -> None:
+        if (state := self._part_of.get(id(part))) is None:
+            return  # another model's unit
+        name = f"fsdp::{self._name(state)} {event}"
+        if event == _observer.ISSUE_GATHER:
+            name += f" {BACKWARD if in_backward() else FORWARD}"
+        elif event == _observer.ISSUE_REDUCE:
+            self._end(state, COMPUTE, BACKWARD)  # the unit's gradients are all there
+        record = torch.profiler.record_function(name)
+        record.__enter__()
+        self._events[id(part), event] = (self._now(), record)
+
+    def end(self, part: object, event: str, nbytes: int = 0) -> None:
+        if (state := self._part_of.get(id(part))) is None:
             return
-        if (cls, name) not in self._originals:  # the first of its class: route the class's
-            function = self._originals[cls, name] = cls.__dict__[name]
-            routes = self._routes[cls, name] = {}
+        begun, record = self._events.pop((id(part), event))
+        record.__exit__(None, None, None)
+        blocked = self._now() - begun
+        if event == _observer.ISSUE_GATHER:
+            phase = BACKWARD if in_backward() else FORWARD
+            self._begin(state, ALL_GATHER, phase, begun, by=part, nbytes=nbytes, blocked=blocked)
+        elif event == _observer.WAIT_GATHER:
+            self._end(state, ALL_GATHER, None, blocked=blocked, by=part)
+        elif event == _observer.ISSUE_REDUCE and nbytes:
+            self._begin(state, REDUCE_SCATTER, BACKWARD, begun, by=part, nbytes=nbytes,
+                        blocked=blocked)
+        elif event == _observer.WAIT_REDUCE:
+            self._end(state, REDUCE_SCATTER, BACKWARD, blocked=blocked, by=part)
 
-            def routed(this: Any, *args: Any, **kwargs: Any) -> Any:
-                traced = routes.get(id(this))
-                return traced(*args, **kwargs) if traced is not None else function(this, *args, **kwargs)
-
-            setattr(cls, name, routed)
-            self._undo.append(lambda: setattr(cls, name, function))
-        original = MethodType(self._originals[cls, name], owner)
-        self._routes[cls, name][id(owner)] = make(original)
-
-    def _hook(self, handle: RemovableHandle) -> None:
-        self._undo.append(handle.remove)
+    def backward_began(self, state: object) -> None:
+        if id(state) in self._state_ids and (id(state), COMPUTE, BACKWARD) not in self._open:
+            self._begin(state, COMPUTE, BACKWARD, self._now())  # type: ignore[arg-type]
 
     # -- what is recorded ----------------------------------------------------------------------
 
@@ -153,76 +163,7 @@ class StepTrace:
         device = self._device
         if device.type != "cpu":
             return int(torch.get_device_module(device.type).memory_allocated(device))
-        return sum(part.held_bytes() for s in self._states for part in s.unit.parts)
-
-    def _wrap_unit(self, state: UnitState, part: Unit) -> None:
-        gatherer, reducer = part.gatherer, part.reducer
-
-        def start(original: Callable[..., Any]) -> Callable[..., Any]:
-            def traced(*args: Any, **kwargs: Any) -> Any:
-                phase, begun = (BACKWARD if in_backward() else FORWARD), self._now()
-                with torch.profiler.record_function(f"fsdp::{self._name(state)} all-gather {phase}"):
-                    gather = original(*args, **kwargs)
-                nbytes = gather.gathered.numel() * gather.gathered.element_size()
-                self._begin(state, ALL_GATHER, phase, begun, by=part, nbytes=nbytes,
-                            blocked=self._now() - begun)
-                return gather
-            return traced
-
-        def waits_for(kind: str, phase: str | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-            """A wrapper of the wait for `kind`, which ends its span."""
-            def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-                def traced(*args: Any, **kwargs: Any) -> Any:
-                    begun = self._now()
-                    with torch.profiler.record_function(f"fsdp::{self._name(state)} {kind} wait"):
-                        result = original(*args, **kwargs)
-                    self._end(state, kind, phase, blocked=self._now() - begun, by=part)
-                    return result
-                return traced
-            return wrap
-
-        def reduce(original: Callable[..., Any]) -> Callable[..., Any]:
-            def traced(*args: Any, **kwargs: Any) -> Any:
-                self._end(state, COMPUTE, BACKWARD)  # the unit's gradients are all there
-                begun = self._now()
-                with torch.profiler.record_function(f"fsdp::{self._name(state)} reduce-scatter"):
-                    started = original(*args, **kwargs)
-                if started:
-                    rows = reducer._pending.input if reducer._pending is not None else None
-                    nbytes = 0 if rows is None else rows.numel() * rows.element_size()
-                    self._begin(state, REDUCE_SCATTER, BACKWARD, begun, by=part, nbytes=nbytes,
-                                blocked=self._now() - begun)
-                return started
-            return traced
-
-        self._patch(gatherer, "_start", start)
-        waited, finished = waits_for(ALL_GATHER, None), waits_for(REDUCE_SCATTER, BACKWARD)
-        self._patch(gatherer, "wait_for_unshard", waited)
-        self._patch(part, "wait_for_unshard", waited)
-        self._patch(part, "reduce_grads", reduce)
-        self._patch(reducer, "finish_reduction", finished)
-        self._patch(part, "finish_reduction", finished)
-
-    def _wrap_state(self, state: UnitState) -> None:
-        def forward_began(module: nn.Module, args: Any) -> None:
-            if not in_backward():  # (a recomputation in backward belongs to backward)
-                self._begin(state, COMPUTE, FORWARD, self._now())
-
-        def forward_ended(module: nn.Module, args: Any, output: Any) -> None:
-            self._end(state, COMPUTE, FORWARD)
-
-        def pre_backward(original: Callable[..., Any]) -> Callable[..., Any]:
-            def traced(*args: Any, **kwargs: Any) -> Any:
-                result = original(*args, **kwargs)  # gathers the parameters if needed
-                if (id(state), COMPUTE, BACKWARD) not in self._open:
-                    self._begin(state, COMPUTE, BACKWARD, self._now())
-                return result
-            return traced
-
-        for module in state.modules:
-            self._hook(module.register_forward_pre_hook(forward_began))  # after fully_shard's
-            self._hook(module.register_forward_hook(forward_ended, prepend=True))  # before its
-        self._patch(state, "_pre_backward", pre_backward)
+        return sum(s.unit.held_bytes() for s in self._states)
 
     # -- results -------------------------------------------------------------------------------
 

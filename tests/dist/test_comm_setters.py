@@ -207,10 +207,11 @@ def check_separate_group() -> tuple[float, float, bool]:
         units.append(model.layers[0]._state().unit if hasattr(model, "_state") else None)
 
     errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap)
-    unit = units[0]
-    separate = unit.reducer.group is not unit.group and dist.get_process_group_ranks(
-        unit.reducer.group
-    ) == dist.get_process_group_ranks(unit.group)
+    (part,) = units[0].parts
+    group = part.mesh.shard_group
+    separate = part.reducer.group is not group and dist.get_process_group_ranks(
+        part.reducer.group
+    ) == dist.get_process_group_ranks(group)
     return (*errors, separate)
 
 

@@ -99,8 +99,9 @@ def logged_all_reduce(*args):
 def shard_on_recorded_streams(module, **kwargs):
     fully_shard(module, **kwargs)
     unit = module._state().unit
-    unit.streams = RecordingStreams()
-    unit.gatherer._buffer, unit.reducer._buffer = LoggedBuffer("gather"), LoggedBuffer("reduce")
+    (part,) = unit.parts
+    unit.streams = part.streams = RecordingStreams()
+    part.gatherer._buffer, part.reducer._buffer = LoggedBuffer("gather"), LoggedBuffer("reduce")
     return module
 
 
