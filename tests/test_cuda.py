@@ -177,7 +177,7 @@ PLAN_AGAINST_ONE_GPU = """
 import json, os, tempfile
 import torch, torch.distributed as dist
 from fsdp_compose import Setup, plan
-from tests.dist.test_plan import build, measured_peak
+from tests.dist.planning import build, measured_peak
 from tests.models import lm_loss, token_batch
 
 setups = [Setup(), Setup(cpu_offload=True)]

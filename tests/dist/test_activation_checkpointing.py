@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint as checkpoint_call
 
 from fsdp_compose import checkpoint_blocks, fully_shard
 from tests.dist.parity import Shard, per_block, train_and_compare
-from tests.dist.test_collectives import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter, first_forward
+from tests.dist.counting import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter, first_forward
 from tests.models import Block, Transformer, lm_loss, token_batch
 
 

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_compose import export_safetensors, fully_shard, load_checkpoint, save_checkpoint
 from tests.dist.parity import full, per_block
-from tests.dist.test_state_dict import sharded_transformer, train
+from tests.dist.training import sharded_transformer, train
 from tests.models import MLP, Transformer
 
 

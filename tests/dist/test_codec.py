@@ -13,7 +13,7 @@ from torch import nn
 
 from fsdp_compose import Int8RowCodec, fully_shard
 from tests.dist.parity import full, per_block
-from tests.dist.test_collectives import ALL_GATHER, CollectiveCounter, first_forward
+from tests.dist.counting import ALL_GATHER, CollectiveCounter, first_forward
 from tests.models import MLP, feature_batch
 
 

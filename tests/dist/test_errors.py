@@ -11,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
-from tests.dist.test_collectives import CollectiveCounter
+from tests.dist.counting import CollectiveCounter
 from tests.models import MLP, Transformer
 
 

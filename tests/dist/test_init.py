@@ -13,6 +13,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from fsdp_compose import fully_shard, materialize
 from tests.dist.parity import assert_close_to, backward, full, make_mesh, per_block
 from tests.models import MLP, Transformer, lm_loss, token_batch
+from tests.dist.training import train_step_matches
 
 
 def gpt_init(module: nn.Module) -> None:
@@ -34,14 +35,6 @@ def assert_same_params(model: nn.Module, ref: nn.Module) -> None:
     for fqn, p in model.named_parameters():
         assert not p.is_meta, fqn
         assert torch.equal(full(p), ref_params[fqn]), fqn
-
-
-def train_step_matches(model: nn.Module, ref: nn.Module) -> None:
-    """One SGD step on each rank's share against the reference on all the data."""
-    backward((ref, model), token_batch(0, 2 * dist.get_world_size()), lm_loss)
-    for m in (model, ref):
-        torch.optim.SGD(m.parameters(), lr=0.1).step()
-    assert_close_to(model, ref)
 
 
 def check_meta_init_matches_seeded_model() -> None:

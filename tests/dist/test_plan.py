@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 from fsdp_compose import CPUOffloadPolicy, Setup, checkpoint_blocks, fully_shard, plan
-from tests.dist.test_collectives import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
+from tests.dist.counting import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
 from tests.models import Transformer, lm_loss, token_batch
+from tests.dist.planning import build, measured_peak
 
 SETUPS = [
     Setup(blocks_per_unit=1, reshard_after_forward=True),
@@ -20,31 +21,8 @@ SETUPS = [
 ]
 
 
-def build() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return Transformer(dim=32, heads=4, depth=4)
-
-
 def batch() -> torch.Tensor:
     return token_batch(0, 8)  # one rank's
-
-
-def measured_peak(setup: Setup, model: torch.nn.Module, tokens: torch.Tensor,
-                  device: torch.device) -> int:
-    """The tracked peak on `device` of two real AdamW steps of `model` annotated by `setup`."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    setup.apply(model, "blocks")
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tracker = MemTracker()
-    tracker.track_external(model, optim)
-    with tracker:
-        for _ in range(2):
-            lm_loss(model, tokens).backward()
-            optim.step()
-            optim.zero_grad()
-            tracker.reset_mod_stats()
-    return int(tracker.get_tracker_snapshot("peak")[device]["Total"])
 
 
 def check_measured(setup: Setup) -> tuple[int, int]:

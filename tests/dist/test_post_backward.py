@@ -19,7 +19,7 @@ from fsdp_compose import fully_shard
 from tests.dist.parity import (
     assert_close_to, backward, max_diff_to, per_block, three_models, train_and_compare,
 )
-from tests.dist.test_prefetch import GatherOrder
+from tests.dist.counting import MATMUL, GatherOrder, all_gather, reduce_scatter
 from tests.models import MLP, feature_batch, mse_loss
 
 
@@ -159,9 +159,13 @@ def test_units_with_frozen_parameters_reduce_after_their_inputs_backward(ranks):
     """The LoRA units reduce where torch's do, after their inputs' backward; the root,
     whose parameters (the head) all train, as soon as they have their gradients."""
     ours, theirs = ranks.run(check_lora_order, world_size=2)[0]
-    rs_root = "RS8"  # the head's 3 + 1 parameters, padded for 2 ranks
+    rs_root = reduce_scatter(8)  # the head's 3 + 1 parameters, padded for 2 ranks
+    # The last LoRA layer's gather (its frozen 3 x 5 base and bias and its rank-2 factors,
+    # padded to whole rows for 2 ranks: 42 values), the head's two matrix multiplies, then
+    # the root's reduce-scatter, before any LoRA layer's inputs' backward.
+    last_layer = all_gather(42)
     for step_ours, step_theirs in zip(ours, theirs):
-        assert step_ours[:4] == [42, "mm", "mm", rs_root], step_ours
+        assert step_ours[:4] == [last_layer, MATMUL, MATMUL, rs_root], step_ours
         assert step_theirs[-2] == rs_root, step_theirs
         assert without(rs_root, step_ours) == without(rs_root, step_theirs)
 
@@ -177,7 +181,7 @@ def test_a_unit_that_left_a_parameter_without_gradient_reduces_after_its_inputs(
     of backward. From then on it reduces once its inputs' backward ran, as torch does."""
     ours, theirs = ranks.run(check_sometimes_unused_order, world_size=2)[0]
     assert ours[0] == theirs[0]
-    rs_layer1 = "RS48"  # the weight and bias without the extra, padded for 2 ranks
+    rs_layer1 = reduce_scatter(48)  # the weight and bias without the extra, padded for 2 ranks
     assert ours[1][-1] == rs_layer1 and theirs[1][-1] != rs_layer1, (ours[1], theirs[1])
     assert without(rs_layer1, ours[1]) == without(rs_layer1, theirs[1])
     assert ours[2:] == theirs[2:]

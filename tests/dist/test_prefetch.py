@@ -18,6 +18,7 @@ from fsdp_compose import fully_shard
 from fsdp_compose._hooks import state_of
 from tests.dist.parity import Shard, per_block, train_and_compare
 from tests.models import MLP, feature_batch, mse_loss
+from tests.dist.counting import GatherOrder
 
 ALL_GATHER = "c10d::_allgather_base_"
 REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
@@ -41,26 +42,6 @@ def check_prefetch_parity() -> tuple[float, float]:
 def test_prefetch_trains_like_single_process_and_torch(ranks):
     vs_reference, vs_torch = ranks.run(check_prefetch_parity, world_size=2)[0]
     assert vs_torch == 0.0 and vs_reference < 1e-6
-
-
-class GatherOrder(TorchDispatchMode):
-    """All-gathers (by output size, which tells the units apart), matrix multiplies ("mm":
-    a layer computing) and, if asked, reduce-scatters ("RS" and input size), in the order
-    they were issued."""
-
-    def __init__(self, reduce_scatters: bool = False) -> None:
-        super().__init__()
-        self.sizes: list[int | str] = []
-        self.reduce_scatters = reduce_scatters
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name == ALL_GATHER:
-            self.sizes.append(args[0].numel())
-        elif func._schema.name == REDUCE_SCATTER and self.reduce_scatters:
-            self.sizes.append(f"RS{args[1].numel()}")
-        elif func._schema.name in ("aten::addmm", "aten::mm"):
-            self.sizes.append("mm")
-        return func(*args, **(kwargs or {}))
 
 
 def gather_order(shard: Shard, wrap=with_prefetch, reduce_scatters: bool = False) -> list[int]:

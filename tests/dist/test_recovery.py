@@ -17,27 +17,7 @@ from tests.dist.parity import (
     assert_close_to, backward, make_mesh, optimizer_step, per_block, rank_share,
 )
 from tests.models import Transformer, lm_loss, token_batch
-
-
-class Injected(Exception):
-    pass
-
-
-def raise_in_forward(model: nn.Module) -> None:
-    """Make the next forward raise inside the second block (after the first ran)."""
-    def fail(*_: object) -> None:
-        handle.remove()
-        raise Injected("forward")
-    handle = model.blocks[1].fc1.register_forward_hook(fail)
-
-
-def raise_in_backward(model: nn.Module) -> None:
-    """Make the next backward raise once the last block's backward is done (the head,
-    the root and the last block have reduced by then), before the first block's."""
-    def register(_: nn.Module, __: object, output: torch.Tensor) -> None:
-        handle.remove()
-        output.register_hook(lambda _: (_ for _ in ()).throw(Injected("backward")))
-    handle = model.blocks[0].register_forward_hook(register)
+from tests.dist.failures import Injected, raise_in_backward, raise_in_forward
 
 
 def check_failed_steps_recover(mesh_shape: tuple[int, ...]) -> None:

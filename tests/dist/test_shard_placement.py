@@ -15,7 +15,7 @@ from fsdp_compose import clip_grad_norm_, fully_shard
 from tests.dist.parity import (
     backward, full, make_mesh, max_diff_to, optimizer_step, three_models, train_and_compare,
 )
-from tests.dist.test_collectives import ALL_GATHER, CollectiveCounter
+from tests.dist.counting import ALL_GATHER, CollectiveCounter
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 
 

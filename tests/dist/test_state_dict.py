@@ -19,15 +19,9 @@ from torch.utils._pytree import tree_map_only
 
 from fsdp_compose import fully_shard
 from tests.dist.parity import full, optimizer_step, per_block, rank_share
-from tests.dist.test_init import train_step_matches
+from tests.dist.training import train_step_matches
 from tests.models import Transformer, lm_loss, token_batch
-
-
-def sharded_transformer(seed: int, **kwargs: object) -> nn.Module:
-    torch.manual_seed(seed)
-    model = Transformer(**kwargs)
-    per_block(model, fully_shard)
-    return model
+from tests.dist.training import sharded_transformer, train
 
 
 def check_state_dict_is_sharded_under_original_names() -> None:
@@ -88,12 +82,6 @@ def check_load_errors_name_key_and_shapes() -> None:
 
 def test_load_errors_name_key_and_shapes(ranks):
     ranks.run(check_load_errors_name_key_and_shapes, world_size=2)
-
-
-def train(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> None:
-    for step in steps:
-        lm_loss(model, rank_share(token_batch(step, 2 * dist.get_world_size()))).backward()
-        optimizer_step([optim])
 
 
 def check_distributed_state_dict_round_trips(full_state_dict: bool) -> None:

@@ -19,8 +19,9 @@ from tests.dist.parity import (
     assert_close_to, backward, make_mesh, max_diff_to, per_block, three_models,
     train_and_compare,
 )
-from tests.dist.test_collectives import CollectiveCounter, first_forward
+from tests.dist.counting import CollectiveCounter, first_forward
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
+from tests.dist.checks import check_hsdp_accumulation_without_all_reduce
 
 ALL_GATHER = "c10d::_allgather_base_"
 REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
@@ -143,18 +144,6 @@ def check_mixed_strategies() -> tuple[float, float]:
 def test_sharded_and_replicated_units_in_one_model(ranks):
     _, vs_torch = ranks.run(check_mixed_strategies, world_size=4)[0]
     assert vs_torch <= REPLICATE_VS_TORCH  # the root is replicated: see REPLICATE_VS_TORCH
-
-
-def check_hsdp_accumulation_without_all_reduce(
-    shard_fns: tuple[ShardFn, ShardFn] = (fully_shard, torch_fully_shard),
-) -> None:
-    models = ref, ours, theirs = three_models(MLP, make_mesh((2, 2)), shard_fns=shard_fns)
-    for micro in range(3):
-        for model in (ours, theirs):
-            model.set_requires_all_reduce(micro == 2)
-        backward(models, feature_batch(micro, 2 * dist.get_world_size()), mse_loss)
-    assert_close_to(ours, ref, grads=True)
-    assert_close_to(ours, theirs, grads=True)
 
 
 def test_hsdp_accumulation_without_all_reduce(ranks):

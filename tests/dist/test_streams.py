@@ -17,7 +17,7 @@ from fsdp_compose import fully_shard
 from fsdp_compose._buffer import ReusedBuffer
 from fsdp_compose._collectives import all_gather, all_reduce, reduce_scatter
 from tests.dist.parity import train_and_compare
-from tests.dist.test_strategies import check_hsdp_accumulation_without_all_reduce
+from tests.dist.checks import check_hsdp_accumulation_without_all_reduce
 from tests.models import Transformer, lm_loss, token_batch
 
 LOG: list[str] = []  # per worker process

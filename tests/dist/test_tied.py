@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compose import fully_shard
 from tests.dist.parity import assert_close_to, backward, full, optimizer_step
-from tests.dist.test_collectives import REDUCE_SCATTER, CollectiveCounter
+from tests.dist.counting import REDUCE_SCATTER, CollectiveCounter
 from tests.models import Transformer, lm_loss, token_batch
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from fsdp_compose import StepTrace, fully_shard
 from tests.dist.parity import make_mesh, max_diff_to, per_block
-from tests.dist.test_collectives import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
+from tests.dist.counting import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
 from tests.models import Transformer, lm_loss, token_batch
 
 

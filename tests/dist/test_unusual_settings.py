@@ -28,7 +28,7 @@ from fsdp_compose import (
 from tests.dist.parity import (
     assert_close_to, backward, max_diff, max_diff_to, optimizer_step, per_block, rank_share,
 )
-from tests.dist.test_collectives import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
+from tests.dist.counting import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 
 
