@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._hooks import state_of
+from ._state import state_of
 from ._meshes import SpmdDims, UnitMesh, dim_names
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 
@@ -157,7 +157,9 @@ def check_mesh(
             "(full sharding) or a 2-D (replicate, shard) mesh (HSDP), e.g. mesh['dp'], or "
             "name its data-parallel dims with dp_mesh_dims."
         )
-    check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", mesh.size(-1))
+    check_reshard_after_forward(
+        reshard_after_forward, f"fully_shard({name})", mesh.size(mesh.ndim - 1)
+    )
 
 
 def _device_available(device_type: str) -> bool:

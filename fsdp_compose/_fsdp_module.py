@@ -9,10 +9,10 @@ from torch import nn
 
 from ._checks import check_reshard_after_forward, refuse_post_forward_tensor_parallel
 from ._comm_setters import CommSetters
-from ._hooks import UnitState, state_of
+from ._hooks import UnitState
 from ._meshes import resolve_reshard_after_forward
 from ._phase import in_backward
-from ._root import STATE_ATTR
+from ._state import state_of
 from ._unit import Unit
 
 
@@ -40,7 +40,8 @@ class FSDPModule(CommSetters):
         )
 
     def _state(self) -> UnitState:
-        state: UnitState = self.__dict__[STATE_ATTR]
+        state = state_of(self)  # type: ignore[arg-type]  # a module: FSDPModule is mixed in
+        assert state is not None, "fully_shard attaches a state to every FSDPModule"
         return state
 
     def _states(self, recurse: bool) -> list[UnitState]:

@@ -22,7 +22,7 @@ from ._replaced import mark_replaced
 from ._part import MeshPart
 from ._placement import ShardPlacementFn, shard_placements
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._root import STATE_ATTR
+from ._state import attach
 from ._state_dict import install_state_dict_hooks
 from ._tied import OWNER_ATTR, Borrowed, check_borrowable, lend, owner_of
 from ._unit import Unit
@@ -122,9 +122,14 @@ def fully_shard(
         sync_from_first_rank(tensors, resolved.mesh, resolved.device)  # data-parallel dims only
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     _annotate(modules, name, collected, placements, policies, borrowed, resolved, mp_policy, offload)
-    sharded = (p for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False))
-    watch([*sharded, *(ignored_params or ())])
+    _watch_unmanaged(modules, ignored_params)
     return module  # type: ignore[return-value]  # annotated in place: now FSDPModules
+
+
+def _watch_unmanaged(modules: list[nn.Module], ignored: set[nn.Parameter] | None) -> None:
+    """Until the first forward, look for parameters no unit manages (see _unmanaged.py)."""
+    sharded = (p for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False))
+    watch([*sharded, *(ignored or ())])
 
 
 def _split_tied(
@@ -164,7 +169,7 @@ def _annotate(
     for m in modules:
         for managed in m.modules():  # the markers torch's fully_shard sets, which
             managed.__dict__.update(_MANAGED_MARKERS)  # transformers and dynamo read
-        m.__dict__[STATE_ATTR] = state
+        attach(m, state)
         cls: type = type(m)
         m.__class__ = _annotated_class(cls)
     state.install_hooks()

@@ -25,16 +25,10 @@ from ._phase import (
 )
 from ._policies import MixedPrecisionPolicy, cast_floating
 from ._prefetch import Prefetch
-from ._root import STATE_ATTR, Root
+from ._root import Root
 from ._param import ShardedParam
 from ._unit import Unit
 from ._unmanaged import stop_watching
-
-
-def state_of(module: nn.Module) -> UnitState | None:
-    """The unit state fully_shard attached to `module`, if any."""
-    state: UnitState | None = module.__dict__.get(STATE_ATTR)
-    return state
 
 
 class UnitState:

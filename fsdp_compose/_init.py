@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ._collectives import broadcast
-from ._hooks import state_of
+from ._state import state_of
 from ._param import ShardedParam
 
 

@@ -81,7 +81,7 @@ def unit_mesh(
         mesh=mesh,
         device=mesh_device(mesh),
         shard_group=mesh.get_group(mesh.ndim - 1),
-        shard_size=mesh.size(-1),
+        shard_size=mesh.size(mesh.ndim - 1),  # not size(-1): Note [mesh dims] in _compat.py
         shard_rank=mesh.get_local_rank(mesh.ndim - 1),
         replicate_group=mesh.get_group(0) if hsdp else None,
         replicate_size=mesh.size(0) if hsdp else 1,
@@ -254,7 +254,7 @@ def resolve_reshard_after_forward(
             "for freeing them (True) pass a bool.", stacklevel=4,
         )
         return False, None
-    if value == mesh.size(-1):
+    if value == mesh.size(mesh.ndim - 1):
         return True, None
     return True, post_forward_mesh(mesh, value)
 

@@ -86,7 +86,7 @@ def _other_mesh(
             f"{where} returned a ShardPlacementResult on a {own_mesh.ndim}-D mesh; pass a 1-D "
             "(shard) or a 2-D (replicate, shard) mesh."
         )
-    check_reshard_after_forward(reshard_after_forward, where, own_mesh.size(-1))
+    check_reshard_after_forward(reshard_after_forward, where, own_mesh.size(own_mesh.ndim - 1))
     return unit_mesh(own_mesh, reshard_after_forward)
 
 

@@ -7,7 +7,7 @@ unit under it then points to it. Units hold only their own state.
 
 from __future__ import annotations
 
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -15,9 +15,9 @@ from torch.autograd import Variable
 
 from ._agreement import check_ranks_agree
 from ._comm_context import CommContext
+from ._state import state_of
 from ._unit import Unit
 
-STATE_ATTR = "_fsdp_compose_state"  # where fully_shard attaches a module's unit state
 
 
 class Member(Protocol):
@@ -166,7 +166,7 @@ def _units_under(root: S) -> list[S]:
     """The units under `root`'s module in module order, labelled by their fqn."""
     states: list[S] = []
     for fqn, module in root.modules[0].named_modules():
-        s: S | None = module.__dict__.get(STATE_ATTR)
+        s = cast("S | None", state_of(module))
         if s is None or any(s is seen for seen in states):
             continue
         if s is not root and s.initialised:

@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _observer
-from ._hooks import UnitState, state_of
+from ._hooks import UnitState
+from ._state import state_of
 from ._phase import in_backward
 from ._trace_report import (
     ALL_GATHER, BACKWARD, COMPUTE, FORWARD, REDUCE_SCATTER, Span, chrome_trace, draw_timeline,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._root import STATE_ATTR
+from ._state import is_annotated
 
 
 class UnmanagedParametersWarning(UserWarning):
@@ -49,11 +49,11 @@ def stop_watching() -> None:
 def _look(module: nn.Module, args: Any) -> None:
     """A module called before the first root: if it holds units but is none, warn of its
     trainable parameters that no unit shards."""
-    if module in _looked_at or STATE_ATTR in module.__dict__:
+    if module in _looked_at or is_annotated(module):
         return
     inside = list(module.modules())
     _looked_at.update(inside)  # its submodules are covered by this one look
-    if not any(STATE_ATTR in m.__dict__ for m in inside):
+    if not any(is_annotated(m) for m in inside):
         return
     names = [
         fqn for fqn, p in module.named_parameters() if p.requires_grad and not hasattr(p, _ACCOUNTED_MARK)
