@@ -129,6 +129,7 @@ class CommSetters:
                 part.codecs.pop(by_fqn[name], None)
             else:
                 part.codecs[by_fqn[name]] = codec
+            part.layout = None  # a one-rank part without codecs gathers nothing: see Layout
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Reduce-scatter on a process group of its own (over the same ranks), so gradient

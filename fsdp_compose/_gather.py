@@ -91,6 +91,9 @@ class Gatherer:
             written_on_compute = part.layout is None
             if written_on_compute:
                 part.lay_out()
+            if part.layout is not None and part.layout.zero_copy:
+                self._register_unsharded()  # the shards are the unsharded data
+                return
             mesh = part.mesh
             group, rows, sizes, inputs = mesh.shard_group, mesh.shard_size, part.sizes, None
         if side is None:
@@ -185,15 +188,18 @@ class Gatherer:
         self._buffer.release()
         if part.streams is not None:
             part.streams.copied_out()
-        if (current := part.layout) is not None:
-            for parameters, _, unsharded in current.registrations:
+        self._register_unsharded()
+        if observer is not None:
+            observer.end(part, _observer.WAIT_GATHER)
+
+    def _register_unsharded(self) -> None:
+        if (layout := self._part.layout) is not None:
+            for parameters, _, unsharded in layout.registrations:
                 parameters.update(unsharded)
         else:  # a parameter changed since the gather began: it knows its forms
             for p in self.params:
                 p.to_unsharded()
         self.is_unsharded = True
-        if observer is not None:
-            observer.end(part, _observer.WAIT_GATHER)
 
     def _copy_out(self, gather: _Gather, layout: Layout) -> None:
         """Write the gathered rows into each parameter's unsharded data."""

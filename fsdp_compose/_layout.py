@@ -46,6 +46,9 @@ class Layout(NamedTuple):
     targets: list[torch.Tensor]  # where each parameter's gathered rows land
     registrations: list[OwnerForms]
     extended: list[ShardedParam]  # with all-gather hooks: see _extension.py
+    # A group of one rank whose shards are already what computes (dtype, device, no codec,
+    # no hooks): the unsharded parameters are views of the shards; nothing is gathered.
+    zero_copy: bool
 
 
 def dtype_facts(params: list[ShardedParam]) -> DtypeFacts:
@@ -61,7 +64,7 @@ def dtype_facts(params: list[ShardedParam]) -> DtypeFacts:
 
 def lay_out(
     params: list[ShardedParam], mesh: UnitMesh, sizes: list[int], label: str,
-    refuse_unhooked: bool,
+    refuse_unhooked: bool, has_codecs: bool,
 ) -> Layout | None:
     """Lay `params` out over `mesh` (`sizes`: each one's padded shard). The unsharded
     storages come back freed. None when a tensor-subclass shard has no all-gather hooks
@@ -74,10 +77,18 @@ def lay_out(
     rows, numel, device = mesh.shard_size, sum(sizes), mesh.device
     flat = None if extended else flat_shards(params, numel)
     gather_spec = None if flat is None else ((rows, numel), dtypes.param_dtype, device)
-    plain = [(p, n) for p, n in zip(params, sizes) if p.extension is None]  # hooks build theirs
-    buffers = unsharded_buffers(
-        [p for p, _ in plain], rows, [n for _, n in plain], dtypes.param_dtype, device
-    ) if plain else []
+    zero_copy = rows == 1 and not extended and not has_codecs and all(
+        (p.padded_shard.dtype, p.padded_shard.device) == (p.param_dtype, device) for p in params
+    )
+    buffers: list[torch.Tensor] = []
+    if zero_copy:
+        for p in params:
+            p.use_unsharded_buffer(p.padded_shard)
+    elif plain := [(p, n) for p, n in zip(params, sizes) if p.extension is None]:
+        # (parameters with all-gather hooks build their own unsharded data)
+        buffers = unsharded_buffers(
+            [p for p, _ in plain], rows, [n for _, n in plain], dtypes.param_dtype, device
+        )
     # Freed by resizing to 0 rather than dropped: autograd may have saved the unsharded
     # parameters, and what it saved must see the data of the next all-gather.
     storages = [(b.untyped_storage(), b.nbytes) for b in buffers]
@@ -93,6 +104,7 @@ def lay_out(
         targets=[p.gather_target for p in params],
         registrations=forms_by_owner(r for p in params for r in p.registrations()),
         extended=extended,
+        zero_copy=zero_copy,
     )
 
 
@@ -136,8 +148,10 @@ def unsharded_buffers(
     params: list[ShardedParam], rows: int, sizes: list[int], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """The unsharded data: one storage shared by the parameters when they compute in one
-    dtype, else each its own."""
+    dtype, else each its own (new: an earlier layout may have lent them their shards)."""
     if not all(p.param_dtype == dtype for p in params):
+        for p in params:
+            p.allocate_unsharded_buffer(device)
         return [p.unsharded_buffer for p in params]
     with torch.inference_mode(False):
         unsharded = torch.empty(rows * sum(sizes), dtype=dtype, device=device)

@@ -114,7 +114,7 @@ class ShardedParam:
         self.reduce_dtype = self.mp_policy.reduce_dtype or (
             local.dtype if REDUCE_IN_OWN_DTYPE else self.param_dtype
         )
-        self._allocate_unsharded_buffer(local.device if on_meta else self._device)
+        self.allocate_unsharded_buffer(local.device if on_meta else self._device)
 
     def move_shard_into(self, flat_piece: torch.Tensor) -> None:
         """Keep the padded shard in `flat_piece` (this parameter's part of its unit's flat
@@ -126,7 +126,8 @@ class ShardedParam:
         carry_hooks(local, self.local)
         self.sharded._local_tensor = self.local  # type: ignore[attr-defined]
 
-    def _allocate_unsharded_buffer(self, device: torch.device) -> None:
+    def allocate_unsharded_buffer(self, device: torch.device) -> None:
+        """Unsharded data of its own (allocated while unsharded: see _layout.py)."""
         buffer = torch.empty(
             self.layout.shard_size * self.layout.padded_shard_numel, dtype=self.param_dtype,
             device=device,

@@ -60,7 +60,9 @@ class MeshPart:
         then freed. Refuses parameters still on the meta device."""
         if (problem := self.meta_problem()) is not None:
             raise RuntimeError(problem)
-        self.layout = lay_out(self.params, self.mesh, self.sizes, self.label, refuse_unhooked)
+        self.layout = lay_out(
+            self.params, self.mesh, self.sizes, self.label, refuse_unhooked, bool(self.codecs)
+        )
         self.gatherer.layout_changed()
         return self.layout
 
