@@ -19,6 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import AllgatherOptions
 
+# The process group's two methods, called as fsdp_compose calls them (their names vary).
+from fsdp_compose._compat import all_gather_single, reduce_scatter_single
+
 _GATHER = AllgatherOptions()
 _AVERAGE = dist.ReduceScatterOptions()
 _AVERAGE.reduceOp = dist.ReduceOp.AVG
@@ -60,7 +63,7 @@ class HandShardedLinear:
     def unshard(self) -> None:
         self.storage.resize_(self.nbytes)
         if self.ranks > 1:
-            self.group.all_gather_single(self.gathered.view(-1), self.flat, _GATHER).wait()
+            all_gather_single(self.group, self.gathered.view(-1), self.flat, _GATHER).wait()
         else:  # as both runtimes, nothing to send
             self.gathered.view(-1).copy_(self.flat)
         torch.split_with_sizes_copy(self.gathered, self.sizes, dim=1, out=self.targets)
@@ -92,7 +95,7 @@ class HandShardedLinear:
         rows = torch._chunk_cat(grads, dim=0, num_chunks=self.ranks)  # row r: rank r's
         reduced = rows.new_empty(self.flat.numel())
         if self.ranks > 1:
-            self.group.reduce_scatter_single(reduced, rows.view(-1), _AVERAGE).wait()
+            reduce_scatter_single(self.group, reduced, rows.view(-1), _AVERAGE).wait()
         else:
             reduced.copy_(rows.view(-1))
         for name, grad in zip(self.names, torch.split_with_sizes(reduced, self.sizes)):

@@ -3,7 +3,7 @@
 quantized-training weights, or hooks attached to one shard) chooses what its unit gathers
 and builds its unsharded parameter from what every rank sent.
 
-Note [all-gather extension]: called as torch 2.13's fully_shard calls them:
+Note [all-gather extension]: called as torch's fully_shard calls them:
 `fsdp_pre_all_gather(mesh)` or `fsdp_pre_all_gather(mesh, outer_size, outer_stride, module,
 mp_policy)` (told apart by the number of parameters), with the 1-D shard mesh (HSDP too),
 the unsharded size and contiguous stride, the owning module and the mixed precision policy,

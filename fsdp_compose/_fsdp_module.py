@@ -80,7 +80,7 @@ class FSDPModule(CommSetters):
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """Keep the unsharded parameters' storage allocated when resharding (its data
         pointers then stay the same across reshard and unshard, as CUDA graph capture
-        needs), at the cost of the memory resharding frees. torch 2.15's method."""
+        needs), at the cost of the memory resharding frees. Newer torch's method."""
         for state in self._states(recurse):
             for part in state.unit.parts:
                 part.gatherer.keep_unsharded_storage = keep
@@ -104,7 +104,7 @@ class FSDPModule(CommSetters):
         reductions before it returns, so each one is complete and there is nothing to set."""
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
-        """torch 2.15's switch for finalizing backward by hand (`finalize_backward`). Here
+        """Newer torch's switch for finalizing backward by hand (`finalize_backward`). Here
         every backward still finishes its own reductions with the settings of its time, so
         either way the gradients are the same; `finalize_backward` reduces what those
         settings left unsharded. Call on the root, not during backward."""
@@ -129,7 +129,7 @@ class FSDPModule(CommSetters):
         backwards without gradient sync) with the current settings, reshard, and commit
         them to the sharded `.grad`s. A no-op before the first forward. Not between a
         forward and its backward. Synchronous; with `async_op` the handle's wait() returns
-        at once (torch 2.15's signature)."""
+        at once (newer torch's signature)."""
         state = self._state()
         if state.initialised:
             state.root.finalize_backward()

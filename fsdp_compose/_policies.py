@@ -16,13 +16,14 @@ class MixedPrecisionPolicy:
     """Dtypes of a unit's unsharded parameters, gradient reduction and outputs.
 
     `param_dtype`: dtype of the unsharded parameters (all-gather and compute); None keeps
-    the original. `reduce_dtype`: dtype of the gradient reduction; None follows
-    `param_dtype` (torch 2.13, 2.14) or the parameter's own dtype (torch 2.15).
+    the original. `reduce_dtype`: dtype of the gradient reduction; None follows what the
+    running torch's fully_shard does: `param_dtype` on older torch, the parameter's own
+    dtype on newer (see _compat.py).
     `output_dtype`: cast floating-point outputs to it; None leaves them.
     `cast_forward_inputs`: cast floating-point forward inputs to `param_dtype`.
-    `param_dtype_override_fn(param)` (torch 2.15's): called once per parameter at
-    fully_shard; None or `param_dtype` keeps the default, the parameter's own dtype keeps
-    that parameter in it. It must answer alike on every rank.
+    `param_dtype_override_fn(param)` (newer torch's; ours on every torch): called once per
+    parameter at fully_shard; None or `param_dtype` keeps the default, the parameter's own
+    dtype keeps that parameter in it. It must answer alike on every rank.
     """
 
     param_dtype: torch.dtype | None = None

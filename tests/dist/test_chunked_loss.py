@@ -16,6 +16,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from fsdp_compose import fully_shard
 from tests.dist.parity import assert_close_to, make_mesh, max_diff, max_diff_to, optimizer_step
 from tests.models import Block, token_batch
+from tests.torch_support import TORCH_RUNS_CHUNKED_LOSS
 
 CHUNKS = 3
 
@@ -78,7 +79,9 @@ def check_chunked_loss(steps: int) -> tuple[float, float]:
     ref = Trunk()
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
     annotate(ours, fully_shard)
-    annotate(theirs, torch_fully_shard)
+    # Where torch's fully_shard fails this flow (tests/torch_support.py), the second model is
+    # ours again and the single-process reference is the comparison that remains.
+    annotate(theirs, torch_fully_shard if TORCH_RUNS_CHUNKED_LOSS else fully_shard)
     models = (ref, ours, theirs)
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     vs_torch = 0.0

@@ -12,6 +12,7 @@ from torch import nn
 from fsdp_compose import fully_shard, share_comm_ctx
 from tests.dist.parity import Shard, per_block, train_and_compare
 from tests.models import MLP, feature_batch, mse_loss
+from tests.torch_support import versus_torch
 
 
 def annotated(model: nn.Module) -> list[nn.Module]:
@@ -59,7 +60,8 @@ def check_reductions_in_flight(buffers: int | None) -> tuple[float, float, int, 
         if buffers is not None:
             model.set_reduce_scatter_max_input_buffers(buffers)
 
-    errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap)
+    setters = () if buffers is None else ("set_reduce_scatter_max_input_buffers",)
+    errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap, shard_fns=versus_torch(*setters))
     return (*errors, comms[0].most, comms[0].calls)
 
 
@@ -108,7 +110,8 @@ def check_unused_params() -> tuple[float, float]:
         per_block(model, shard)
         model.set_reduce_scatter_unused_params(True)
 
-    return train_and_compare(Routed, lambda m, x: m(x).pow(2).mean(), routed_batch, wrap=wrap)
+    return train_and_compare(Routed, lambda m, x: m(x).pow(2).mean(), routed_batch, wrap=wrap,
+                             shard_fns=versus_torch("set_reduce_scatter_unused_params"))
 
 
 def test_unused_params_reduce_zeros_where_ranks_route_differently(ranks):
@@ -153,7 +156,7 @@ def check_unused_params_on_one_rank() -> tuple[float, float]:
         model.set_reduce_scatter_unused_params(True)
 
     return train_and_compare(make_model, lambda m, x: m(x).pow(2).mean(), mixed_then_one_way,
-                             wrap=wrap)
+                             wrap=wrap, shard_fns=versus_torch("set_reduce_scatter_unused_params"))
 
 
 def test_unused_params_on_one_rank_keep_the_reduction_order(ranks):
@@ -206,7 +209,8 @@ def check_separate_group() -> tuple[float, float, bool]:
         model.set_separate_reduce_scatter_group()
         units.append(model.layers[0]._state().unit if hasattr(model, "_state") else None)
 
-    errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap)
+    shard_fns = versus_torch("set_separate_reduce_scatter_group")
+    errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap, shard_fns=shard_fns)
     (part,) = units[0].parts
     group = part.mesh.shard_group
     separate = part.reducer.group is not group and dist.get_process_group_ranks(

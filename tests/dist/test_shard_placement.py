@@ -17,6 +17,7 @@ from tests.dist.parity import (
 )
 from tests.dist.counting import ALL_GATHER, CollectiveCounter
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
+from tests.torch_support import needs_shard_placement_result
 
 
 def shard_dim_1(param: nn.Parameter) -> Shard | None:
@@ -184,6 +185,7 @@ def check_parameters_on_their_own_mesh(reshard_after_forward: bool | int) -> tup
     return errors.vs_reference, errors.vs_torch, sizes
 
 
+@needs_shard_placement_result
 @pytest.mark.parametrize("reshard_after_forward", [True, 2])  # 2: pairs of ranks keep pieces
 def test_parameters_on_their_own_mesh(ranks, reshard_after_forward):
     for vs_reference, vs_torch, gathers in ranks.run(

@@ -15,6 +15,7 @@ from fsdp_compose import StepTrace, fully_shard
 from tests.dist.parity import make_mesh, max_diff_to, per_block
 from tests.dist.counting import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
 from tests.models import Transformer, lm_loss, token_batch
+from tests.torch_support import needs_shard_placement_result
 
 
 def annotated() -> torch.nn.Module:
@@ -160,6 +161,7 @@ def check_parameters_on_two_meshes() -> tuple[list[tuple[str, str, int]], dict[s
     return spans, {ALL_GATHER: counter.counts[ALL_GATHER], REDUCE_SCATTER: counter.counts[REDUCE_SCATTER]}
 
 
+@needs_shard_placement_result
 def test_parameters_on_two_meshes(ranks):
     spans, counted = ranks.run(check_parameters_on_two_meshes, world_size=4)[0]
     assert sum(kind == "all-gather" for _, kind, _ in spans) == counted[ALL_GATHER]

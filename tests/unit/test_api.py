@@ -32,10 +32,12 @@ def test_fully_shard_signature_matches_torch():
             assert theirs_fields == {k: v for k, v in ours_fields.items() if k in theirs_fields}
         elif name != "module":
             assert repr(ours[name].default) == repr(param.default), name
-    # What we add comes after, keyword-only, off by default.
+    # What we add comes after, keyword-only, off by default. dp_mesh_dims is ours on every
+    # torch: an older torch's fully_shard lacks it, and then it counts among our additions.
     extras = {name: p for name, p in ours.items() if name not in theirs}
-    assert list(extras) == ["sync_module_states"]
-    assert all(p.kind is p.KEYWORD_ONLY and p.default is False for p in extras.values())
+    added = ["sync_module_states"] if "dp_mesh_dims" in theirs else ["dp_mesh_dims", "sync_module_states"]
+    assert list(extras) == added
+    assert all(p.kind is p.KEYWORD_ONLY and not p.default for p in extras.values())
 
 
 def test_fsdp_module_has_every_public_method_of_torch():
