@@ -27,11 +27,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from provenance import provenance
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdp_compose import fully_shard, save_full_state_dict
 
@@ -120,8 +122,8 @@ def main() -> None:
             # Once untimed: the first collectives and writes set up buffers of their own.
             save_full_state_dict(model, Path(tmp) / "warm-up")
             for way, write in (
-                ("save_full_state_dict", lambda: save_full_state_dict(model, Path(tmp) / "a")),
-                ("DCP full state dict", lambda: dcp_whole_then_save(model, Path(tmp))),
+                ("save_full_state_dict", lambda m=model: save_full_state_dict(m, Path(tmp) / "a")),
+                ("DCP full state dict", lambda m=model: dcp_whole_then_save(m, Path(tmp))),
             ):
                 (Path(tmp) / "a").mkdir(exist_ok=True)
                 row[way] = dict(zip(("peak_extra_mib", "seconds"), peak_extra_mib(write)))

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 # The process group's two methods, called as fsdp_compose calls them (their names vary).
-from fsdp_compose._compat import all_gather_single, reduce_scatter_single
+from fsdp_compose.comm.compat import all_gather_single, reduce_scatter_single
 
 _GATHER = AllgatherOptions()
 _AVERAGE = dist.ReduceScatterOptions()

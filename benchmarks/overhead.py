@@ -29,17 +29,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from handwritten import shard_by_hand
+from provenance import provenance
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from handwritten import shard_by_hand
-from provenance import provenance
-
 from fsdp_compose import StepTrace, fully_shard
-from fsdp_compose._compat import ALL_GATHER_METHOD, REDUCE_SCATTER_METHOD
+from fsdp_compose.comm.compat import ALL_GATHER_METHOD, REDUCE_SCATTER_METHOD
 
 
 def build(units: int, dim: int, shard) -> nn.Module:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
+
 def kib(n: float) -> str:
     return f"{n / 1024:,.0f} KiB"
 

@@ -28,12 +28,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-
 from provenance import provenance
 from step import (
-    CollectiveCounter, add_model_arguments, analytic, batch, build, measure_memory, train_step,
+    CollectiveCounter,
+    add_model_arguments,
+    analytic,
+    batch,
+    build,
+    measure_memory,
+    train_step,
 )
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from train_gpt import GPT  # on the path once step is imported
 
 CPU = torch.device("cpu")

@@ -44,10 +44,9 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_gpt import GPT, counting_batch, init_distributed  # noqa: E402
-
 from overlap import hidden_fraction  # noqa: E402
 from provenance import provenance  # noqa: E402
+from train_gpt import GPT, counting_batch, init_distributed  # noqa: E402
 
 from fsdp_compose import fully_shard  # noqa: E402
 

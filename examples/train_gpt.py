@@ -28,7 +28,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_compose import StepTrace, fully_shard, load_checkpoint, save_checkpoint, save_full_state_dict
+from fsdp_compose import (
+    StepTrace,
+    fully_shard,
+    load_checkpoint,
+    save_checkpoint,
+    save_full_state_dict,
+)
 
 
 class Block(nn.Module):

@@ -1,20 +1,20 @@
 """Fully sharded data parallel as a module annotation. Public: the names in __all__."""
 
-from ._activation_checkpointing import checkpoint_blocks
-from ._checkpoint import export_safetensors, load_checkpoint, save_checkpoint
-from ._clip import clip_grad_norm_
-from ._codec import AllGatherCodec, Int8RowCodec
-from ._full_state_dict import load_full_state_dict, save_full_state_dict
-from ._fsdp_module import FSDPModule, GradientReductionHandle, UnshardHandle
-from ._fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
-from ._init import materialize
-from ._meshes import DataParallelMeshDims
-from ._planner import Plan, Setup, plan
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._replicate import replicate
-from ._trace import StepTrace
-from ._unmanaged import UnmanagedParametersWarning
-from ._wrap import WrapPolicy, wrap
+from .api.activation_checkpointing import checkpoint_blocks
+from .api.fsdp_module import FSDPModule, GradientReductionHandle, UnshardHandle
+from .api.fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
+from .api.init import materialize
+from .api.replicate import replicate
+from .api.wrap import WrapPolicy, wrap
+from .comm.meshes import DataParallelMeshDims
+from .io.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
+from .io.full_state_dict import load_full_state_dict, save_full_state_dict
+from .param.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .schedule.unmanaged import UnmanagedParametersWarning
+from .tools.clip import clip_grad_norm_
+from .tools.planner import Plan, Setup, plan
+from .tools.trace import StepTrace
+from .unit.codec import AllGatherCodec, Int8RowCodec
 
 __all__ = [
     "AllGatherCodec",

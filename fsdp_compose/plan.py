@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._planner import Plan, parse_size, plan, size
+from .tools.planner import Plan, parse_size, plan, size
 
 __all__ = ["main", "parse_size"]
 

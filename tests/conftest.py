@@ -140,7 +140,7 @@ class Ranks:
             # A process that dies without a Python error crashed in native code (gloo's
             # threads, the allocator). Run the test once more on fresh processes: a crash
             # that repeats fails it, one that does not is reported as a warning.
-            warnings.warn(f"{death}\nran again on a fresh pool", RuntimeWarning)
+            warnings.warn(f"{death}\nran again on a fresh pool", RuntimeWarning, stacklevel=2)
             return self._pool(world_size).run(fn, timeout, **kwargs)
         finally:
             if retire_pool:

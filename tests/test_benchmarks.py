@@ -89,7 +89,7 @@ def test_overhead_benchmark_reports_both_runtimes_and_the_work_by_hand(tmp_path)
     # The JSON holds what was printed, under the backend's name.
     saved = json.loads((tmp_path / "overhead.json").read_text())
     assert list(saved) == ["fake"] and saved["fake"]["config"]["world_size"] == 8
-    for name, (step_ms, per_unit, in_collectives, runtime, calls) in rows.items():
+    for name, (step_ms, per_unit, in_collectives, _runtime, calls) in rows.items():
         variant = saved["fake"]["variants"][name]
         assert f"{variant['step_seconds'] * 1e3:.2f}" == f"{step_ms:.2f}", (variant, output)
         assert f"{variant['us_per_unit']:.1f}" == f"{per_unit:.1f}", (variant, output)

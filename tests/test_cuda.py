@@ -123,7 +123,7 @@ def assert_same_training(a: nn.Module, b: nn.Module, losses_a, losses_b, **toler
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         other = q.full_tensor() if hasattr(q, "full_tensor") else q
-        torch.testing.assert_close(full, other, msg=lambda m: f"{name}: {m}", **tolerance)
+        torch.testing.assert_close(full, other, msg=lambda m, name=name: f"{name}: {m}", **tolerance)
 
 
 @pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])

@@ -1,7 +1,7 @@
 """What the torch under test offers of its own fully_shard, where tests use it as their
 reference or build its types. fsdp_compose runs the same on every torch in its range
-(fsdp_compose/_compat.py); the reference does not, so a test narrows its comparison or
-skips here, by what torch has, and says why."""
+(fsdp_compose/comm/compat.py); the reference does not, so a test narrows its comparison
+or skips here, by what torch has, and says why."""
 
 from __future__ import annotations
 

@@ -61,7 +61,8 @@ def check_reductions_in_flight(buffers: int | None) -> tuple[float, float, int, 
             model.set_reduce_scatter_max_input_buffers(buffers)
 
     setters = () if buffers is None else ("set_reduce_scatter_max_input_buffers",)
-    errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap, shard_fns=versus_torch(*setters))
+    shard_fns = versus_torch(*setters)
+    errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap, shard_fns=shard_fns)
     return (*errors, comms[0].most, comms[0].calls)
 
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-import fsdp_compose._full_state_dict as full_state_dict
-import fsdp_compose._safetensors_writer as safetensors_writer
+import fsdp_compose.io.full_state_dict as full_state_dict
+import fsdp_compose.io.safetensors_writer as safetensors_writer
 from fsdp_compose import fully_shard, load_full_state_dict, save_full_state_dict
 from tests.dist.parity import full, make_mesh, per_block
 from tests.models import Transformer

@@ -154,8 +154,10 @@ def annotate(model, shard_fn, dims_cls, dense, sparse, expert_dim: int) -> None:
     the sparse mesh (its dims reach fully_shard through the mesh info), the root on the
     dense mesh."""
     dense_dims = dp_dims(dense, dims_cls, "dp_shard")
-    dense_info = _get_mesh_info(dense, dp_dims(dense, TorchDataParallelMeshDims, "dp_shard"))
-    sparse_info = _get_mesh_info(sparse, dp_dims(sparse, TorchDataParallelMeshDims, "efsdp"))
+    # torch's own mesh-info builder, given the dims class of the fully_shard it builds for
+    # (torchtitan passes whichever DataParallelMeshDims its fully_shard takes).
+    dense_info = _get_mesh_info(dense, dp_dims(dense, dims_cls, "dp_shard"))
+    sparse_info = _get_mesh_info(sparse, dp_dims(sparse, dims_cls, "efsdp"))
     for layer in model.layers:
         experts = set(layer.routed_experts.parameters())
 

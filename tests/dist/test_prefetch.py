@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import fully_shard
-from fsdp_compose._state import state_of
+from fsdp_compose.schedule.state import state_of
 from tests.dist.parity import Shard, per_block, train_and_compare
 from tests.models import MLP, feature_batch, mse_loss
 from tests.dist.counting import GatherOrder

@@ -11,11 +11,11 @@ from contextlib import contextmanager
 
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-import fsdp_compose._gather as gather_module
-import fsdp_compose._reduce as reduce_module
+import fsdp_compose.unit.gather as gather_module
+import fsdp_compose.unit.reduce as reduce_module
 from fsdp_compose import fully_shard
-from fsdp_compose._buffer import ReusedBuffer
-from fsdp_compose._collectives import all_gather, all_reduce, reduce_scatter
+from fsdp_compose.comm.buffer import ReusedBuffer
+from fsdp_compose.comm.collectives import all_gather, all_reduce, reduce_scatter
 from tests.dist.parity import train_and_compare
 from tests.dist.checks import check_hsdp_accumulation_without_all_reduce
 from tests.models import Transformer, lm_loss, token_batch

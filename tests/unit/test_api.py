@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fsdp_compose
 from fsdp_compose import FSDPModule, MixedPrecisionPolicy, fully_shard
-from fsdp_compose._collectives import GradReduction, grad_reduction
+from fsdp_compose.comm.collectives import GradReduction, grad_reduction
 
 AVG, SUM = ReduceOp.AVG, ReduceOp.SUM
 

@@ -1,17 +1,19 @@
-"""fsdp_compose/_compat.py: the one module that names a torch version, and what it picks on
-the torch under test (CI runs this file on the oldest and the pinned torch)."""
+"""fsdp_compose/comm/compat.py: the one module that names a torch version, and what it
+picks on the torch under test (CI runs this file on the oldest and the pinned torch)."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
 from torch.distributed import ProcessGroup
 
 import fsdp_compose
-from fsdp_compose._compat import ALL_GATHER_METHOD, REDUCE_SCATTER_METHOD, _release
+from fsdp_compose.comm.compat import ALL_GATHER_METHOD, REDUCE_SCATTER_METHOD, _release
 
 PACKAGE = Path(fsdp_compose.__file__).parent
+COMPAT = Path(inspect.getfile(_release))  # wherever the package keeps it
 # A torch version number (2.11 ... 2.19), or code that reads the version.
 VERSION_MENTION = re.compile(r"\b2\.1\d\b|__version__|torch_version|TorchVersion")
 
@@ -30,8 +32,9 @@ def test_the_collectives_picked_exist_on_this_torch():
 def test_only_compat_names_a_torch_version():
     mentions = [
         f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}"
-        for path in sorted(PACKAGE.rglob("*.py")) if path.name != "_compat.py"
+        for path in sorted(PACKAGE.rglob("*.py")) if path != COMPAT
         for number, line in enumerate(path.read_text().splitlines(), start=1)
         if VERSION_MENTION.search(line)
     ]
-    assert not mentions, "torch versions belong in fsdp_compose/_compat.py:\n" + "\n".join(mentions)
+    where = COMPAT.relative_to(PACKAGE.parent)
+    assert not mentions, f"torch versions belong in {where}:\n" + "\n".join(mentions)

@@ -12,9 +12,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-import fsdp_compose._safetensors_writer as safetensors_writer
+import fsdp_compose.io.safetensors_writer as safetensors_writer
 from fsdp_compose import save_full_state_dict
-from fsdp_compose._safetensors_header import read_headers
+from fsdp_compose.io.safetensors_header import read_headers
 from tests.models import Transformer
 from tests.safetensors_damage import damaged_files
 

@@ -11,8 +11,8 @@ import warnings
 import pytest
 
 from fsdp_compose import Setup, plan
-from fsdp_compose._planner import candidates, size
 from fsdp_compose.plan import main, parse_size
+from fsdp_compose.tools.planner import candidates, size
 from tests.models import Transformer, lm_loss, token_batch
 
 _BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
@@ -62,7 +62,6 @@ def test_offload_is_a_candidate_where_it_moves_memory():
 def test_the_package_name_still_plans_after_the_module_is_imported():
     import fsdp_compose
     import fsdp_compose.plan  # noqa: F401  # (this file imported it already)
-
     from fsdp_compose import Setup
     from tests.models import Transformer, lm_loss, token_batch
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_compose._sharding import chunk_range, contiguous_stride, shard_layout
+from fsdp_compose.param.sharding import chunk_range, contiguous_stride, shard_layout
 
 
 @pytest.mark.parametrize("shard_size", [1, 2, 3, 4, 8])

@@ -10,8 +10,8 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.common_distributed import spawn_threads_and_init_comms
 
 from fsdp_compose import fully_shard

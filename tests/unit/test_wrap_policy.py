@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 from fsdp_compose import WrapPolicy, wrap
-from fsdp_compose._wrap import chosen_modules
+from fsdp_compose.api.wrap import chosen_modules
 from tests.models import Block, Transformer
 
 

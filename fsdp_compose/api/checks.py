@@ -1,0 +1,249 @@
+"""Argument and model checks for fully_shard: all on data every rank has, all before the
+first collective and before anything changes, so a failed call leaves the module as it was."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ..comm.meshes import SpmdDims, UnitMesh, dim_names
+from ..param.policies import MixedPrecisionPolicy, OffloadPolicy
+from ..schedule.state import state_of
+
+# Marks the sharded parameters fully_shard creates, so a later call on an inner module can
+# tell "sharded by an enclosing fully_shard" from a tensor-parallel DTensor.
+SHARDED_MARK = "_fsdp_compose_sharded"
+
+Collected = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
+
+def check_modules(modules: list[nn.Module]) -> None:
+    if not modules:
+        raise ValueError("fully_shard needs a module or a non-empty list of modules, got []")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}"
+            )
+        if state_of(m) is not None:
+            raise ValueError(
+                f"fully_shard({type(m).__name__}): this module is already annotated; call "
+                "fully_shard once per module."
+            )
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            # Its hooks would never run: nothing calls a container without forward.
+            raise ValueError(
+                f"fully_shard({type(m).__name__}): a container without forward is never called, "
+                "so its unit would never gather. Annotate its children (for block in "
+                "container: fully_shard(block)), or pass them as one unit: "
+                "fully_shard(list(container))."
+            )
+
+
+def check_reshard_after_forward(value: object, where: str, shard_size: int | None) -> None:
+    """A bool, None, or an int group size that divides the mesh's shard size."""
+    if isinstance(value, bool) or value is None:
+        return
+    if not isinstance(value, int):
+        raise TypeError(
+            f"{where}: reshard_after_forward must be a bool, None or an int group size, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if shard_size is not None and (value < 1 or shard_size % value):
+        raise ValueError(
+            f"{where}: reshard_after_forward={value} must divide the mesh's shard size "
+            f"{shard_size} (e.g. the ranks of one host), or be True or False."
+        )
+
+
+def check_options(
+    name: str, reshard_after_forward: object, shard_placement_fn: object,
+    mp_policy: object, offload_policy: object,
+) -> None:
+    check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", None)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"fully_shard({name}): mp_policy must be fsdp_compose.MixedPrecisionPolicy, "
+            f"got {type(mp_policy).__module__}.{type(mp_policy).__name__}"
+        )
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(
+                f"fully_shard({name}): MixedPrecisionPolicy.{field}={dtype!r} is not a "
+                "floating-point torch.dtype; use e.g. torch.bfloat16, or None to keep the "
+                "parameters' dtype."
+            )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"fully_shard({name}): offload_policy must be fsdp_compose.OffloadPolicy or "
+            f"CPUOffloadPolicy, got {type(offload_policy).__name__}"
+        )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            f"fully_shard({name}): shard_placement_fn must be a callable (param) -> Shard | "
+            f"ShardPlacementResult | None, got {type(shard_placement_fn).__name__}"
+        )
+
+
+def check_dp_mesh_dims(
+    name: str, mesh: DeviceMesh, dims: object, reshard_after_forward: object
+) -> None:
+    """dp_mesh_dims names data-parallel dims of `mesh`: a name or names (flattened) each for
+    shard and replicate (see comm/meshes.py)."""
+    where = f"fully_shard({name}): dp_mesh_dims"
+    if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
+        raise TypeError(f"{where} must be a DataParallelMeshDims, got {type(dims).__name__}")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(f"{where}: mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    shard, replicate = dim_names(dims.shard), dim_names(dims.replicate)
+    for n in (*shard, *replicate):
+        if n not in names:
+            raise ValueError(f"{where}: Mesh dim name {n!r} not found in mesh.mesh_dim_names {names}")
+    for group in (shard, replicate):
+        if list(group) != sorted(group, key=names.index):
+            raise ValueError(f"{where}: {group} must name mesh dims in the mesh's order {names}.")
+    if set(shard) & set(replicate):
+        raise ValueError(f"{where}: {dims} names the same mesh dim to shard and to replicate.")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"{where}: reshard_after_forward as int is not yet supported with SPMD mesh "
+            "(dp_mesh_dims), as in torch's fully_shard; pass a bool."
+        )
+
+
+def check_spmd_param(name: str, fqn: str, param: nn.Parameter, spmd: SpmdDims) -> None:
+    """With dp_mesh_dims every parameter is a DTensor on the full mesh, replicated over
+    the data-parallel dims (torch's fully_shard requires the same)."""
+    where = f"fully_shard({name}): parameter {fqn!r}"
+    if not isinstance(param, DTensor):
+        raise ValueError(
+            f"{where}: When dp_mesh_dims is provided, all parameters must be DTensors on the "
+            "full SPMD mesh (e.g. via distribute_module). Got a plain tensor."
+        )
+    if param.device_mesh != spmd.mesh:
+        raise ValueError(
+            f"{where} is a DTensor on {param.device_mesh}; with dp_mesh_dims it must be on "
+            f"the same mesh passed to fully_shard, {spmd.mesh}."
+        )
+    for i in spmd.data_parallel:
+        if not param.placements[i].is_replicate():
+            raise ValueError(
+                f"{where}: Expected Replicate() on data-parallel mesh dim "
+                f"{spmd.mesh.mesh_dim_names[i]!r} (index {i}) but got {param.placements[i]}."  # type: ignore[index]
+            )
+
+
+def check_mesh(
+    name: str, mesh: object, dp_mesh_dims: object = None, reshard_after_forward: object = None
+) -> None:
+    """The mesh, with dp_mesh_dims and reshard_after_forward, as fully_shard can use them."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard({name}): mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if dp_mesh_dims is not None:
+        check_dp_mesh_dims(name, mesh, dp_mesh_dims, reshard_after_forward)
+    device_type = mesh.device_type
+    if device_type != "cpu" and not _device_available(device_type):
+        raise ValueError(
+            f"fully_shard({name}): the mesh is on device type {device_type!r}, which this "
+            f"torch build or machine does not have (torch.{device_type}.is_available() is "
+            "False). Build the mesh on \"cpu\" (gloo), or run where that device is present."
+        )
+    if mesh.ndim not in (1, 2) and dp_mesh_dims is None:
+        raise ValueError(
+            f"fully_shard({name}): the mesh has {mesh.ndim} dimensions; pass a 1-D mesh "
+            "(full sharding) or a 2-D (replicate, shard) mesh (HSDP), e.g. mesh['dp'], or "
+            "name its data-parallel dims with dp_mesh_dims."
+        )
+    check_reshard_after_forward(
+        reshard_after_forward, f"fully_shard({name})", mesh.size(mesh.ndim - 1)
+    )
+
+
+def _device_available(device_type: str) -> bool:
+    module = getattr(torch, device_type, None)
+    is_available = getattr(module, "is_available", None)
+    return bool(is_available()) if callable(is_available) else False
+
+
+def collect_params(
+    modules: list[nn.Module], name: str, ignored: set[nn.Parameter]
+) -> Collected:
+    """(fqn, parameter, every (module, attribute) holding it) for each parameter under
+    `modules` not inside an inner unit and not ignored (some may be tied to another unit's:
+    see schedule/tied.py)."""
+    found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for attr, param in module._parameters.items():
+            if param is None or param in ignored:
+                continue
+            fqn = prefix + attr
+            if id(param) in found:
+                found[id(param)][2].append((module, attr))  # tied within the unit
+            else:
+                found[id(param)] = (fqn, param, [(module, attr)])
+        for child_name, child in module._modules.items():
+            if child is None:
+                continue
+            if state_of(child) is None:  # an inner unit's parameters are its own
+                visit(child, f"{prefix}{child_name}.")
+
+    for m in modules:
+        visit(m, "")
+    return list(found.values())
+
+
+def check_tensor_parallel(name: str, fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
+    """A tensor-parallel parameter composes when its mesh and ours are parts of one mesh."""
+    tp_mesh = param.device_mesh
+    same_root = tp_mesh._get_root_mesh() == mesh._get_root_mesh()
+    overlap = set(tp_mesh.mesh_dim_names or ()) & set(mesh.mesh_dim_names or ())
+    if tp_mesh is mesh or not same_root or overlap or not tp_mesh.mesh_dim_names:
+        raise ValueError(
+            f"fully_shard({name}): parameter {fqn!r} is a DTensor on mesh {tp_mesh} with "
+            f"{param.placements}, which is not a tensor-parallel part of the same device mesh "
+            f"as fully_shard's mesh {mesh}. Build one mesh, e.g. init_device_mesh(..., "
+            "mesh_dim_names=('dp', 'tp')), parallelize on mesh['tp'] and pass mesh=mesh['dp']."
+        )
+
+
+def refuse_post_forward_tensor_parallel(where: str, fqn: str) -> None:
+    """reshard_after_forward=<int> keeps pieces of plain tensors only."""
+    raise NotImplementedError(
+        f"{where}: reshard_after_forward=<int> (a smaller post-forward group) with the "
+        f"tensor-parallel parameter {fqn!r} is not supported (torch's fully_shard refuses it "
+        "too); pass reshard_after_forward=True or False for units with DTensor parameters."
+    )
+
+
+def check_params(
+    name: str, collected: Collected, device: torch.device, meshes: list[UnitMesh]
+) -> None:
+    """Each parameter as fully_shard can shard it over its mesh (shard_placement_fn's)."""
+    for (fqn, param, _), mesh in zip(collected, meshes):
+        if mesh.spmd is not None:
+            check_spmd_param(name, fqn, param, mesh.spmd)
+        elif isinstance(param, DTensor):
+            if getattr(param, SHARDED_MARK, False):
+                raise ValueError(
+                    f"fully_shard({name}): parameter {fqn!r} is already sharded by fully_shard "
+                    "on an enclosing module. Annotate bottom-up: inner modules first, then "
+                    "the modules that contain them."
+                )
+            check_tensor_parallel(name, fqn, param, mesh.mesh)
+            if mesh.post_forward_mesh is not None:
+                refuse_post_forward_tensor_parallel(f"fully_shard({name})", fqn)
+        if param.ndim == 0:
+            raise ValueError(
+                f"fully_shard({name}): parameter {fqn!r} is a scalar and cannot be sharded on "
+                "dim 0. Give it shape (1,), or pass it in ignored_params to keep it whole."
+            )
+        if param.device.type not in (device.type, "cpu", "meta"):
+            raise ValueError(
+                f"fully_shard({name}): parameter {fqn!r} is on {param.device} but the mesh is "
+                f"on {device.type}. Build the mesh on the parameters' device type, or move "
+                "the module there first."
+            )

@@ -1,0 +1,166 @@
+"""FSDPModule's setters for how its units communicate: the reduction's arithmetic, bounds on
+the collectives in flight, and custom collectives, codecs and hooks.
+A mixin of FSDPModule (api/fsdp_module.py), which holds the units' states."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+from ..comm.collectives import CustomComm
+from ..comm.meshes import separate_group
+from ..schedule.hooks import UnitState
+from ..unit.codec import AllGatherCodec
+from ..unit.part import MeshPart
+
+
+class CommSetters:
+    """Setters of FSDPModule (see there), as torch's fully_shard has them, and ours."""
+
+    # FSDPModule's: this module's unit state, and with recurse those of every unit under it.
+    _state: Callable[[], UnitState]
+    _states: Callable[[bool], list[UnitState]]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's summed gradients by `factor` instead of the mesh size."""
+        for part in self._state().unit.parts:
+            part.reducer.set_reduction(factor, part.reducer.force_sum_reduction)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with a plain SUM on the wire and divide locally afterwards."""
+        for part in self._state().unit.parts:
+            part.reducer.set_reduction(part.reducer.gradient_divide_factor, enable)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of `set_gradient_divide_factor`, as in torch."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            DeprecationWarning, stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_max_all_gathers_in_flight(self, limit: int) -> None:
+        """At most `limit` (default 2) prefetched all-gathers in flight; prefetching another
+        first finishes the oldest. Bounds the unsharded memory prefetch can hold. Call on
+        the root (its units share the bound). Ours; torch's is fixed at 2."""
+        self._set_comm_bound("max_all_gathers", limit, "set_max_all_gathers_in_flight")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """At most `max_input_buffers` (default 1) gradient reductions in flight, each
+        holding its input and output buffers, while the next unit's backward computes.
+        Call on the root (its units share the bound; `recurse` is accepted for torch's
+        signature)."""
+        self._set_comm_bound("max_reductions", max_input_buffers, "set_reduce_scatter_max_input_buffers")
+
+    def _set_comm_bound(self, attr: str, value: int, setter: str) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{type(self).__name__}.{setter}: expected an int >= 1, got {value!r}.")
+        comm = self._state().comm
+        setattr(comm, attr, value)
+        comm.changed_by = type(self).__name__
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Reduce a zero gradient for parameters this rank's backward did not reach, so that
+        ranks whose control flow uses different parameters of a unit (mixture of experts,
+        multi-modal branches) still send the same reduce-scatter. Such parameters' `.grad`
+        is then a tensor (the average, zeros where no rank used them), never None."""
+        for state in self._states(recurse):
+            for part in state.unit.parts:
+                part.reducer.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_post_optim_event(self, event: torch.Event | None) -> None:
+        """The next forward's all-gathers wait for `event` (recorded after an optimizer step
+        on another stream) instead of everything before them. Waited for once, then
+        dropped: set a new event every iteration. Set on any unit, it applies to its root
+        (one event per root, as in torch). None (what recording an event on the CPU's
+        current stream returns) waits for nothing."""
+        if event is not None and not callable(getattr(event, "wait", None)):
+            raise TypeError(
+                f"{type(self).__name__}.set_post_optim_event: expected a torch.Event, got "
+                f"{type(event).__name__}."
+            )
+        state = self._state()
+        (state.root.state if state.initialised else state).post_optim_event = event
+
+    def set_custom_all_gather(self, comm: CustomComm) -> None:
+        """Gather this unit's parameters with `comm(output, input, group, async_op=False)`
+        (returning a Work or None) instead of all_gather_single; `comm.allocate(size, *,
+        dtype, device)`, if defined, allocates the output. torch's AllGather interface."""
+        _one_mesh(self, "set_custom_all_gather").custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: CustomComm) -> None:
+        """Reduce this unit's gradients with `comm(output, input, group, op,
+        async_op=False)` instead of reduce_scatter_single; `comm.allocate`, if defined,
+        allocates input and output. torch's ReduceScatter interface."""
+        _one_mesh(self, "set_custom_reduce_scatter").reducer.custom_reduce_scatter = comm
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Call `hook(reduced)` on this unit's reduced gradients (the reduce-scatter output,
+        or the all-reduce output with HSDP) before the final division: e.g. an all-reduce
+        across another dimension. It must modify the buffer in place. The hook runs on the
+        current stream once the reduction is done (on an accelerator the reduce-scatter
+        runs on a side stream, which the current stream waits for first): `stream` must be
+        None."""
+        if stream is not None:
+            raise ValueError(
+                f"{type(self).__name__}.set_all_reduce_hook: fsdp_compose runs the hook on the "
+                "current stream once the reduction is done; pass stream=None."
+            )
+        _one_mesh(self, "set_all_reduce_hook").reducer.all_reduce_hook = hook
+
+    def set_all_gather_codec(
+        self, codec: AllGatherCodec | None, params: list[str] | None = None
+    ) -> None:
+        """Send this unit's parameters named in `params` (fqns under this module; default
+        all) through `codec` in the all-gather, e.g. `Int8RowCodec()` for weights; None
+        sends them plainly again. Ours, not torch's; see AllGatherCodec."""
+        unit = self._state().unit
+        by_fqn = {p.fqn: p for p in unit.params}
+        names = list(by_fqn) if params is None else params
+        if unknown := [n for n in names if n not in by_fqn]:
+            raise ValueError(
+                f"{type(self).__name__}.set_all_gather_codec: {unknown} are not parameters of "
+                f"this unit; its parameters are {list(by_fqn)}."
+            )
+        for name in names:
+            part = next(part for part in unit.parts if by_fqn[name] in part.params)
+            if codec is None:
+                part.codecs.pop(by_fqn[name], None)
+            else:
+                part.codecs[by_fqn[name]] = codec
+            part.layout = None  # a one-rank part without codecs gathers nothing: see Layout
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Reduce-scatter on a process group of its own (over the same ranks), so gradient
+        reductions in flight do not queue behind prefetched all-gathers. Collective over
+        each unit's shard ranks: call it on every rank alike."""
+        for state in self._states(recurse):
+            for part in state.unit.parts:
+                group = part.mesh.shard_group
+                part.reducer.group = separate_group(group) if enable else group
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        _not_yet(self, "allocating communication buffers from the process group (CUDA)")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        _not_yet(self, "symmetric-memory communication buffers (CUDA)")
+
+
+def _one_mesh(module: CommSetters, setter: str) -> MeshPart:
+    """The module's unit, when its parameters are on one mesh (torch refuses these setters
+    too when shard_placement_fn put some on another)."""
+    parts = module._state().unit.parts
+    if len(parts) > 1:
+        raise ValueError(
+            f"{type(module).__name__}.{setter} is not supported with parameters on several "
+            "meshes (from per-param mesh via shard_placement_fn); set it on a unit whose "
+            "parameters share one mesh."
+        )
+    return parts[0]
+
+
+def _not_yet(owner: object, what: str) -> NoReturn:
+    raise NotImplementedError(f"{type(owner).__name__}: {what} is not supported by fsdp_compose yet.")

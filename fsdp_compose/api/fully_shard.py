@@ -1,0 +1,236 @@
+"""fully_shard(): check arguments, build a unit, install its hooks; and the module-level
+functions beside it (register_fsdp_forward_method, share_comm_ctx)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, overload
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..comm.meshes import DataParallelMeshDims, UnitMesh, default_mesh, unit_mesh
+from ..param.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ..param.replaced import mark_replaced
+from ..param.sharded_param import ShardedParam
+from ..schedule.hooks import UnitState
+from ..schedule.state import attach
+from ..schedule.tied import OWNER_ATTR, Borrowed, check_borrowable, lend, owner_of
+from ..schedule.unmanaged import watch
+from ..unit.part import MeshPart
+from ..unit.unit import Unit
+from .checks import (
+    SHARDED_MARK,
+    Collected,
+    check_mesh,
+    check_modules,
+    check_options,
+    check_params,
+    collect_params,
+)
+from .fsdp_module import FSDPModule
+from .init import move_buffers, sync_from_first_rank, unit_buffers
+from .placement import ShardPlacementFn, shard_placements
+from .state_dict import install_state_dict_hooks
+
+_MANAGED_MARKERS = {"_is_fsdp_managed_module": True, "_fsdp_use_orig_params": True}
+
+
+@functools.cache
+def _annotated_class(cls: type) -> type:
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+
+
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: ShardPlacementFn | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
+    sync_module_states: bool = ...,
+) -> FSDPModule: ...
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: ShardPlacementFn | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
+    sync_module_states: bool = ...,
+) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: ShardPlacementFn | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+    sync_module_states: bool = False,
+) -> FSDPModule | list[FSDPModule]:
+    """Shard `module`'s parameters over `mesh`; gather them only while it computes.
+
+    In place: the module keeps its class (now also an FSDPModule), its submodules and its
+    parameters' names; its parameters become DTensors sharded on dim 0, so an optimizer
+    built afterwards steps on shards. Call it bottom-up; each call claims the parameters no
+    inner call claimed, and a list of modules forms one unit:
+
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+
+    `reshard_after_forward`: free the unsharded parameters after forward and gather them
+    again for backward; None means True, except for the root unit (the first to run
+    forward), which keeps them. An int k (dividing the shard size, e.g. the ranks of one
+    host) keeps them sharded over groups of k consecutive ranks, so backward gathers there.
+    `mp_policy`: the dtypes the unit gathers, computes and reduces in.
+    `offload_policy=CPUOffloadPolicy()` keeps the shards, their gradients and so the
+    optimizer step in CPU memory. `ignored_params` stay as they are: not sharded, not
+    reduced. A model built on the meta device is annotated as is, then given values by
+    `materialize`; a model on CPU is moved to the mesh's device one shard at a time.
+    Tensor-parallel DTensor parameters (parallelize_module on mesh["tp"] first) are sharded
+    over `mesh=mesh["dp"]` as 2-D parameters.
+
+    Ours, not torch's: `sync_module_states=True` first overwrites the unit's parameters and
+    buffers with those of the mesh's first rank, so every rank starts identical. Arguments
+    are checked before anything changes: a call that raises leaves `module` untouched.
+    """
+    modules = list(module) if isinstance(module, list) else [module]
+    check_modules(modules)
+    name = ", ".join(type(m).__name__ for m in modules)
+    check_options(name, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
+    mesh = mesh if mesh is not None else default_mesh(name)
+    check_mesh(name, mesh, dp_mesh_dims, reshard_after_forward)
+    resolved = unit_mesh(mesh, reshard_after_forward, dp_mesh_dims)
+    collected = collect_params(modules, name, set(ignored_params or ()))
+    collected, borrowed = _split_tied(name, collected, resolved, mp_policy)
+    # These may raise too: before anything changes.
+    placements = shard_placements(name, collected, shard_placement_fn, resolved, reshard_after_forward)
+    check_params(name, collected, resolved.device, [param_mesh for _, param_mesh in placements])
+    policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]
+
+    if sync_module_states:
+        tensors = [p for _, p, _ in collected] + unit_buffers(modules)
+        sync_from_first_rank(tensors, resolved.mesh, resolved.device)  # data-parallel dims only
+    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
+    _annotate(modules, name, collected, placements, policies, borrowed, resolved, mp_policy, offload)
+    _watch_unmanaged(modules, ignored_params)
+    return module  # type: ignore[return-value]  # annotated in place: now FSDPModules
+
+
+def _watch_unmanaged(modules: list[nn.Module], ignored: set[nn.Parameter] | None) -> None:
+    """Until the first forward, look for parameters no unit manages (see schedule/unmanaged.py)."""
+    sharded = (p for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False))
+    watch([*sharded, *(ignored or ())])
+
+
+def _split_tied(
+    name: str, collected: Collected, resolved: UnitMesh, mp_policy: MixedPrecisionPolicy
+) -> tuple[Collected, list[Borrowed]]:
+    """The parameters this unit will own, and those another unit owns already (tied),
+    checked for borrowing."""
+    own: Collected = []
+    borrowed: list[Borrowed] = []
+    for fqn, param, holders in collected:
+        if (owner := owner_of(param)) is None:
+            own.append((fqn, param, holders))
+        else:
+            borrowed.append(Borrowed(fqn, *owner, holders))
+            check_borrowable(name, borrowed[-1], resolved, mp_policy)
+    return own, borrowed
+
+
+def _annotate(
+    modules: list[nn.Module], name: str, collected: Collected,
+    placements: list[tuple[int, UnitMesh]],
+    policies: list[MixedPrecisionPolicy], borrowed: list[Borrowed], resolved: UnitMesh,
+    mp_policy: MixedPrecisionPolicy, offload: CPUOffloadPolicy | None,
+) -> None:
+    """Shard the checked parameters, build the unit, install its hooks, borrow the tied."""
+    params = [
+        ShardedParam(fqn, p, owners, param_mesh, policy, offload, dim)
+        for (fqn, p, owners), (dim, param_mesh), policy in zip(collected, placements, policies)
+    ]
+    move_buffers(modules, resolved.device)
+    unit = _unit_of(params, [param_mesh for _, param_mesh in placements], resolved, name)
+    state = UnitState(modules, unit, resolved.reshard_after_forward, mp_policy)
+    for (_, original, _), param in zip(collected, params):
+        setattr(param.sharded, SHARDED_MARK, True)
+        setattr(original, OWNER_ATTR, (state, param))
+        param.to_sharded()
+    for m in modules:
+        for managed in m.modules():  # the markers torch's fully_shard sets, which
+            managed.__dict__.update(_MANAGED_MARKERS)  # transformers and dynamo read
+        attach(m, state)
+        cls: type = type(m)
+        m.__class__ = _annotated_class(cls)
+    state.install_hooks()
+    install_state_dict_hooks(state)
+    mark_replaced(name, ((fqn, param) for fqn, param, _ in collected))
+    for tied in borrowed:
+        lend(tied, state)
+
+
+def _unit_of(
+    params: list[ShardedParam], meshes: list[UnitMesh], resolved: UnitMesh, name: str
+) -> Unit:
+    """A unit of one part per mesh its parameters are on (shard_placement_fn may put some
+    on their own), the unit's mesh first."""
+    by_mesh: dict[int, tuple[UnitMesh, list[ShardedParam]]] = {id(resolved): (resolved, [])}
+    for param, mesh in zip(params, meshes):
+        by_mesh.setdefault(id(mesh), (mesh, []))[1].append(param)
+    parts = [MeshPart(group, mesh, name) for mesh, group in by_mesh.values()]
+    for part, (mesh, _) in zip(parts, by_mesh.values()):
+        part.gatherer.set_post_forward_mesh(mesh.post_forward_mesh)
+    return Unit(parts)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Make the roots `modules` (e.g. pipeline stages on one rank) share one communication
+    context: one bound on prefetched all-gathers and on reductions in flight between them."""
+    if bad := [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]:
+        raise ValueError(f"share_comm_ctx: {bad} are not annotated; pass fully_shard modules.")
+    if not modules:
+        return
+    comm = modules[0]._state().comm
+    for module in modules[1:]:
+        state = module._state()
+        for other in state.root.states if state.initialised else [state]:
+            other.comm = comm
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make `module.<method_name>` gather and free parameters as `forward` does (e.g. a
+    `generate` that does not call forward). A no-op when `module` is not annotated."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register")
+    method = getattr(module, method_name)
+    state = module._state()
+
+    @functools.wraps(method)
+    def forward_method(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        try:
+            output = method(*args, **kwargs)
+        except BaseException:
+            # As nn.Module calls a forward hook when forward raised: undo the pre-hook.
+            state.post_forward(module, args, None)
+            raise
+        return state.post_forward(module, args, output)
+
+    setattr(module, method_name, forward_method)

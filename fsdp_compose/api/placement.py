@@ -1,0 +1,115 @@
+"""shard_placement_fn: the dim each parameter of a unit is sharded on, and the mesh, resolved
+and checked as torch's fully_shard resolves them, before anything changes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ..comm.meshes import UnitMesh, unit_mesh
+from .checks import check_mesh, check_reshard_after_forward
+
+ShardPlacementFn = Callable[[nn.Parameter], Any]
+
+
+def shard_placements(
+    name: str, params: list[tuple[str, nn.Parameter, Any]], fn: ShardPlacementFn | None,
+    mesh: UnitMesh, reshard_after_forward: bool | int | None,
+) -> list[tuple[int, UnitMesh]]:
+    """Each parameter's (fqn, parameter, holders) shard dim (from 0) and mesh: what
+    `fn(param)` returns (None: dim 0 on the unit's mesh; `Shard(dim)`, a negative dim
+    counting from the last; a `ShardPlacementResult(placement, mesh_info)` whose mesh_info
+    (torch's FSDPMeshInfo / HSDPMeshInfo) has a 1-D or a 2-D (replicate, shard) `mesh`, or,
+    built with dp_mesh_dims, the full SPMD `spmd_mesh` the parameter is a DTensor on and
+    its `dp_mesh_dims`), checked. Like torch's fully_shard, a dim other than 0 must split
+    evenly over the shard ranks (its padding would cost copies around every collective);
+    a tensor-parallel parameter is sharded as its local tensor. Parameters on one mesh
+    share its UnitMesh."""
+    if fn is None:
+        return [(0, mesh)] * len(params)
+    meshes: dict[tuple[DeviceMesh, DeviceMesh | None], UnitMesh] = {_key(mesh): mesh}
+    placements = []
+    for fqn, param, _ in params:
+        where = f"fully_shard({name}): shard_placement_fn for parameter {fqn!r}"
+        placement, info = _placement_and_mesh_info(where, fn(param))
+        resolved = mesh
+        if info is not None:
+            key = (info.mesh, getattr(info, "spmd_mesh", None))
+            if key not in meshes:
+                meshes[key] = _other_mesh(name, where, info, mesh, reshard_after_forward)
+            resolved = meshes[key]
+        placements.append((_shard_dim(where, param, placement, resolved), resolved))
+    return placements
+
+
+def _key(mesh: UnitMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """A resolved mesh as a ShardPlacementResult names it: the data-parallel mesh, and the
+    full SPMD mesh with dp_mesh_dims."""
+    return mesh.mesh, None if mesh.spmd is None else mesh.spmd.mesh
+
+
+def _placement_and_mesh_info(where: str, result: object) -> tuple[object, Any]:
+    """The placement, and the mesh info of a ShardPlacementResult (None: the unit's)."""
+    if result is None or isinstance(result, Shard) or not hasattr(result, "placement"):
+        return result, None
+    info = getattr(result, "mesh_info", None)
+    if not isinstance(getattr(info, "mesh", None), DeviceMesh):
+        raise ValueError(f"{where} returned {result!r}, whose mesh_info has no DeviceMesh `mesh`.")
+    return result.placement, info
+
+
+def _other_mesh(
+    name: str, where: str, info: Any, mesh: UnitMesh, reshard_after_forward: bool | int | None,
+) -> UnitMesh:
+    """A parameter's own mesh, resolved like a unit's: a data-parallel mesh, or the dims
+    `info.dp_mesh_dims` of the full SPMD mesh `info.spmd_mesh` (MoE experts on their own
+    (efsdp, ep) mesh beside dense parameters on (dp_shard, tp))."""
+    spmd_mesh, dims = getattr(info, "spmd_mesh", None), getattr(info, "dp_mesh_dims", None)
+    if (spmd_mesh is None or dims is None) != (mesh.spmd is None):
+        unit_kind = "a plain data-parallel mesh" if mesh.spmd is None else "dp_mesh_dims"
+        raise ValueError(
+            f"{where} returned a ShardPlacementResult whose mesh_info "
+            f"{'has' if dims is not None else 'has no'} dp_mesh_dims, while the unit is "
+            f"sharded with {unit_kind}: build every mesh info the same way (with dp_mesh_dims "
+            "and the full SPMD mesh when fully_shard gets dp_mesh_dims)."
+        )
+    if spmd_mesh is not None and dims is not None:
+        check_mesh(name, spmd_mesh, dims, reshard_after_forward)
+        return unit_mesh(spmd_mesh, reshard_after_forward, dims)
+    own_mesh: DeviceMesh = info.mesh
+    if own_mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"{where} returned a ShardPlacementResult on a {own_mesh.ndim}-D mesh; pass a 1-D "
+            "(shard) or a 2-D (replicate, shard) mesh."
+        )
+    check_reshard_after_forward(reshard_after_forward, where, own_mesh.size(own_mesh.ndim - 1))
+    return unit_mesh(own_mesh, reshard_after_forward)
+
+
+def _shard_dim(where: str, param: nn.Parameter, placement: object, mesh: UnitMesh) -> int:
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(
+            f"{where} returned {placement!r}; return Shard(dim), a ShardPlacementResult or "
+            "None (dim 0)."
+        )
+    local = param._local_tensor if isinstance(param, DTensor) else param
+    ndim, dim = local.ndim, placement.dim
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{where} returned Shard({dim}), out of range for its shape {tuple(local.shape)}."
+        )
+    dim %= ndim
+    if dim != 0 and local.shape[dim] % mesh.shard_size:
+        raise NotImplementedError(
+            f"{where} returned Shard({placement.dim}): its size {local.shape[dim]} on dim {dim} "
+            f"does not split evenly over {mesh.shard_size} shard ranks, which torch's "
+            "fully_shard refuses too (only dim 0 may split unevenly). Shard it on dim 0 or on "
+            "an evenly divisible dim."
+        )
+    return dim

@@ -1,0 +1,72 @@
+"""State dicts of annotated modules: always the sharded DTensors under the original names;
+loading takes sharded DTensors or whole tensors (sharded on the way in)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..param.sharded_param import ShardedParam
+from ..schedule.hooks import UnitState
+from ..schedule.phase import IDLE
+
+
+def install_state_dict_hooks(state: UnitState) -> None:
+    for module in state.modules:
+        module.register_state_dict_post_hook(
+            lambda m, sd, prefix, _meta: _report_sharded(state, m, sd, prefix)
+        )
+        module.register_load_state_dict_pre_hook(
+            lambda m, sd, prefix, *_: _shard_loaded(state, m, sd, prefix)
+        )
+        # load_state_dict(assign=True) replaces parameters: take them back as shards.
+        module.register_load_state_dict_post_hook(lambda m, _keys: state.unit.adopt_registered())
+
+
+def _keys(
+    state: UnitState, module: nn.Module, prefix: str
+) -> Iterator[tuple[str, ShardedParam, nn.Module, str]]:
+    """(state-dict key, parameter, owner, attribute) for each of the unit's parameters
+    (and those it borrows: see schedule/tied.py) registered under `module`."""
+    names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+    for param in (*state.unit.params, *state.borrowed_params):
+        for owner, attr in param.owners:
+            if (name := names.get(id(owner))) is not None:
+                yield f"{prefix}{name}.{attr}" if name else f"{prefix}{attr}", param, owner, attr
+
+
+def _report_sharded(
+    state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str
+) -> None:
+    """While the unit is unsharded, state_dict() would hold the unsharded parameters:
+    put the shards in their place."""
+    if not state.unit.is_unsharded and not state.borrowed_params:
+        return
+    for key, param, owner, attr in _keys(state, module, prefix):
+        if owner._parameters[attr] is param.unsharded and key in state_dict:
+            kept_vars = state_dict[key] is param.unsharded
+            state_dict[key] = param.sharded if kept_vars else param.sharded.detach()
+
+
+def _shard_loaded(
+    state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str
+) -> None:
+    """Load into the shards: reshard an unsharded unit (its data is about to be stale) and
+    cut whole tensors into this rank's shard. Mismatched shapes pass through to
+    load_state_dict, whose error names the key and both shapes."""
+    if state.unit.is_unsharded:
+        if state.phase is not IDLE:
+            raise RuntimeError(
+                f"load_state_dict: unit {state.label or type(module).__name__} is in its "
+                f"{state.phase.name.lower()} phase; load between training steps."
+            )
+        state.unit.reshard()
+    for key, param, _, _ in _keys(state, module, prefix):
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            if value.shape == param.shape:
+                state_dict[key] = param.shard_of(value)

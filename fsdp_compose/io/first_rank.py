@@ -1,0 +1,54 @@
+"""What only the first rank can know (it alone touches checkpoint files) and every rank
+must act on: its step's value, or its error raised on every rank alike. Sharing the
+verdict at the same point on every rank is what keeps the others out of a collective the
+first rank will never enter (a hang) when it fails."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import TypeVar, cast
+
+from ..comm.collectives import broadcast_object
+
+T = TypeVar("T")
+
+
+def from_first_rank(step: Callable[[], T] | None) -> T:
+    """`step()`, run on the first rank (the only one to pass it), and its value sent to
+    every rank; if it raised, every rank raises that error instead (same type, same
+    message). One object broadcast, at the same point on every rank, whatever happened."""
+    value: T | None = None
+    error: Exception | None = None
+    if step is not None:
+        try:
+            value = step()
+        except Exception as raised:
+            error = raised
+    value, shared = broadcast_object((value, _portable(error)))
+    if shared is None:
+        return cast(T, value)  # the first rank's step returned a T
+    if shared is error:
+        raise error
+    raise shared from error  # on the first rank, from its original error
+
+
+def _portable(error: Exception | None) -> Exception | None:
+    """`error` as the other ranks can raise it: itself if it is a built-in exception that
+    pickles, else a RuntimeError with its class and message (its class may not unpickle)."""
+    if error is None:
+        return None
+    if type(error).__module__ == "builtins":
+        try:
+            pickle.loads(pickle.dumps(error))
+            return error
+        except Exception:
+            pass
+    return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def file_error(what: str, error: OSError) -> OSError:
+    """`error` as `what: reason.`, keeping its errno (hence its class: PermissionError...)."""
+    if error.errno is None:
+        return OSError(f"{what}: {error}.")
+    return OSError(error.errno, f"{what}: {error.strerror}.")

@@ -1,0 +1,178 @@
+"""The first rank's side of save_full_state_dict: safetensors files written as their tensors
+arrive, under staging names until every file is written, removed if anything fails."""
+
+from __future__ import annotations
+
+import errno
+import json
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from .first_rank import file_error
+from .safetensors_header import CODES, INDEX_FILE, SINGLE_FILE
+
+INCOMPLETE = ".incomplete"  # the suffix of a file or checkpoint being written
+
+# (name, dtype, shape) of each tensor of a state dict, whole.
+Entries = list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """The size of a whole tensor's data."""
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def plan_files(path: Path, entries: Entries, max_shard_size: int) -> list[tuple[Path, Entries]]:
+    """The files to write and the entries of each, in state-dict order: one file when
+    `path` names one or everything fits `max_shard_size`, else as many as it takes."""
+    if path.suffix == ".safetensors":
+        return [(path, entries)]
+    groups: list[Entries] = [[]]
+    size = 0
+    for entry in entries:
+        _, dtype, shape = entry
+        tensor_bytes = nbytes(dtype, shape)
+        if size and size + tensor_bytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += tensor_bytes
+    if len(groups) == 1:
+        return [(path / SINGLE_FILE, groups[0])]
+    n = len(groups)
+    return [(path / f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+class _Writer:
+    """One safetensors file, written as its tensors arrive (in header order), under a
+    staging name until the whole checkpoint is written."""
+
+    def __init__(self, path: Path, entries: Entries) -> None:
+        self.path = path
+        self.staging = path.with_name(path.name + INCOMPLETE)
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, dtype, shape in entries:
+            end = offset + nbytes(dtype, shape)
+            header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+            offset = end
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+        self.file: BinaryIO = open(self.staging, "wb")
+        self.file.write(struct.pack("<Q", len(encoded)) + encoded)
+
+    def write(self, tensor: torch.Tensor) -> None:
+        # The tensor's own bytes, through the buffer protocol: no copy of them on the CPU
+        # (only the writing rank brings a tensor there).
+        self.file.write(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+class Saving:
+    """The first rank's side of a save: its files written one after another under staging
+    names, renamed once all are written. A failure removes the staging files and raises an
+    OSError naming the file; one while tensors stream in is held until the file's last
+    tensor (the other ranks are gathering them), then raised by `next_file`."""
+
+    def __init__(self, path: Path, files: list[tuple[Path, Entries]]) -> None:
+        self._path = path
+        self._files = files
+        self._writers: list[_Writer] = []  # the last one is open
+        self._failed: Exception | None = None
+
+    def start(self) -> None:
+        """Check where the files go, and open the first."""
+        first = self._files[0][0]
+        _check_target([file for file, _ in self._files])
+        with self._failing(first):
+            first.parent.mkdir(parents=True, exist_ok=True)
+            self._writers.append(_Writer(*self._files[0]))
+
+    def write(self, tensor: torch.Tensor) -> None:
+        if self._failed is not None:
+            return  # the rest of this file's tensors, gathered for nothing
+        writer = self._writers[-1]
+        try:
+            with self._failing(writer.path):
+                writer.write(tensor)
+        except Exception as error:
+            self._failed = error
+
+    def next_file(self) -> None:
+        """Close the file just written; open the next or, after the last, give every file
+        its name and write the index."""
+        if self._failed is not None:
+            raise self._failed
+        done = self._writers[-1]
+        with self._failing(done.path):
+            done.file.close()
+        if len(self._writers) < len(self._files):
+            upcoming = self._files[len(self._writers)]
+            with self._failing(upcoming[0]):
+                self._writers.append(_Writer(*upcoming))
+            return
+        for writer in self._writers:
+            with self._failing(writer.path):
+                writer.staging.replace(writer.path)
+        if len(self._files) > 1:
+            with self._failing(self._path / INDEX_FILE):
+                _write_index(self._path, self._files)
+        self._writers = []  # nothing left to discard
+
+    def discard(self) -> None:
+        """Remove the staging files (a full disk gets its space back); keep the others."""
+        for writer in self._writers:
+            # Closing flushes what is buffered, which may fail again (a full disk): the
+            # file is closed all the same.
+            with suppress(OSError):
+                writer.file.close()
+            writer.staging.unlink(missing_ok=True)
+        self._writers = []
+
+    @contextmanager
+    def _failing(self, file: Path) -> Iterator[None]:
+        """Around a step that writes `file`: on failure, discard and raise naming `file`."""
+        try:
+            yield
+        except Exception as error:
+            self.discard()
+            if isinstance(error, OSError):
+                raise file_error(f"save_full_state_dict: cannot write {file}", error) from error
+            raise
+
+
+def _check_target(files: list[Path]) -> None:
+    """Refuse what open() would refuse only at the end (a directory where a file goes) or
+    with an unclear error (a file where a directory goes)."""
+    for file in files:
+        if file.is_dir():
+            raise IsADirectoryError(
+                errno.EISDIR, f"save_full_state_dict: cannot write {file}: it is a directory. "
+                "Remove it, or pass a path without .safetensors to save into it."
+            )
+    folder = files[0].parent
+    for above in (folder, *folder.parents):
+        if above.exists():
+            if not above.is_dir():
+                raise NotADirectoryError(
+                    errno.ENOTDIR, f"save_full_state_dict: cannot write {files[0]}: {above} is "
+                    "a file, not a directory."
+                )
+            break
+
+
+def _write_index(path: Path, files: list[tuple[Path, Entries]]) -> None:
+    weight_map = {name: file.name for file, entries in files for name, _, _ in entries}
+    total = sum(nbytes(dtype, shape) for _, entries in files for _, dtype, shape in entries)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    staging = path / (INDEX_FILE + INCOMPLETE)
+    try:
+        staging.write_text(json.dumps(index, indent=2))
+        staging.replace(path / INDEX_FILE)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,71 @@
+"""MixedPrecisionPolicy, OffloadPolicy and CPUOffloadPolicy: what a unit stores and computes in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes of a unit's unsharded parameters, gradient reduction and outputs.
+
+    `param_dtype`: dtype of the unsharded parameters (all-gather and compute); None keeps
+    the original. `reduce_dtype`: dtype of the gradient reduction; None follows what the
+    running torch's fully_shard does: `param_dtype` on older torch, the parameter's own
+    dtype on newer (see comm/compat.py).
+    `output_dtype`: cast floating-point outputs to it; None leaves them.
+    `cast_forward_inputs`: cast floating-point forward inputs to `param_dtype`.
+    `param_dtype_override_fn(param)` (newer torch's; ours on every torch): called once per
+    parameter at fully_shard; None or `param_dtype` keeps the default, the parameter's own
+    dtype keeps that parameter in it. It must answer alike on every rank.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+    param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(
+        default=None, kw_only=True
+    )
+
+    def for_param(self, fqn: str, param: nn.Parameter) -> MixedPrecisionPolicy:
+        """The policy of one parameter: `param_dtype_override_fn` applied."""
+        if self.param_dtype_override_fn is None:
+            return self
+        override = self.param_dtype_override_fn(param)
+        if override is not None and override not in (self.param_dtype, param.dtype):
+            raise ValueError(
+                f"param_dtype_override_fn returned {override!r} for parameter {fqn!r} "
+                f"({param.dtype}); it must return None, param_dtype ({self.param_dtype}) or "
+                "the parameter's own dtype."
+            )
+        param_dtype = self.param_dtype if override is None else override
+        return replace(self, param_dtype=param_dtype, param_dtype_override_fn=None)
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Keep sharded parameters and gradients where the mesh is (no offload)."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters and gradients in CPU memory; the optimizer steps on CPU.
+
+    `pin_memory`: pin the CPU copies so host-device copies can overlap with compute.
+    """
+
+    pin_memory: bool = True
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """`tree` with its floating-point tensors cast to `dtype` (cast_forward_inputs, output_dtype)."""
+    return tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree
+    )

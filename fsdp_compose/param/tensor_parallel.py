@@ -1,0 +1,106 @@
+"""Tensor-parallel parameters under fully_shard: a DTensor on a TP mesh, sharded over the
+data-parallel mesh as its local tensor."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import (
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
+
+from ..comm.meshes import SpmdDims
+
+# Note [tensor parallel]: a parameter that tensor parallelism made a DTensor on a TP mesh
+# is sharded here as its local tensor: rows of the TP-local tensor over the data-parallel
+# mesh (or slices on the dim shard_placement_fn names). Unsharded, it is the TP DTensor again (the all-gather rebuilds its local tensor);
+# sharded, a DTensor on the concatenated (dp..., tp) mesh. When TP also shards that dim,
+# each dp shard holds slices of a TP shard, a layout DTensor names _StridedShard(dim,
+# split_factor=TP shards), as torch's fully_shard does.
+
+
+class TensorParallel(NamedTuple):
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+    # With dp_mesh_dims: `mesh` is the full SPMD mesh, whose data-parallel dims we shard
+    # and reduce over (the parameter is replicated there).
+    spmd: SpmdDims | None = None
+
+    @classmethod
+    def of(cls, param: DTensor, spmd: SpmdDims | None = None) -> TensorParallel:
+        return cls(param.device_mesh, tuple(param.placements), param.shape, param.stride(), spmd)
+
+    def local(self, tensor: DTensor) -> torch.Tensor:
+        """The local tensor of `tensor` in our placements (a gradient may come Partial). On
+        an SPMD mesh the data-parallel dims stay as they come: a partial sum there is what
+        the reduction sums."""
+        target = self.placements
+        if self.spmd is not None:
+            dp = self.spmd.data_parallel
+            target = tuple(
+                tensor.placements[i] if i in dp else p for i, p in enumerate(self.placements)
+            )
+        if tuple(tensor.placements) != target:
+            tensor = tensor.redistribute(self.mesh, target)
+        return tensor.to_local().detach()
+
+    def slice(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's TP-local part of a whole tensor."""
+        local_shape, offsets = compute_local_shape_and_global_offset(
+            self.shape, self.mesh, self.placements
+        )
+        index = tuple(slice(o, o + n) for o, n in zip(offsets, local_shape))
+        return whole[index]
+
+    def as_dtensor(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+    def sharded_spec(
+        self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...], dim: int
+    ) -> tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]:
+        """The sharded parameter's DTensor spec when the data-parallel mesh shards the
+        TP-local tensor on `dim`."""
+        if self.spmd is not None:
+            return self._spmd_sharded_spec(dim)
+        tp_shards = 1
+        for size, placement in zip(self.mesh.shape, self.placements):
+            if placement.is_shard(dim):
+                tp_shards *= size
+        if tp_shards > 1:
+            dp_placements = (*dp_placements[:-1], _StridedShard(dim, split_factor=tp_shards))
+        mesh = DeviceMesh._concatenate([dp_mesh, self.mesh])
+        return mesh, (*dp_placements, *self.placements), self.shape, self.stride
+
+    def _spmd_sharded_spec(
+        self, dim: int
+    ) -> tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]:
+        """On the full SPMD mesh: the shard dim's Replicate becomes Shard(dim), or
+        _StridedShard(dim) when mesh dims after it also shard `dim` (it holds slices of
+        their shards), as torch's fully_shard writes it; every other dim is unchanged.
+        Several shard dims are one flattened dim of another mesh (SpmdDims.spec)."""
+        spmd = self.spmd
+        assert spmd is not None
+        placements = list(self.placements)
+        for index in spmd.shard:
+            split = 1
+            for j in range(index + 1, self.mesh.ndim):
+                if isinstance(placements[j], Shard) and placements[j].dim == dim:  # type: ignore[attr-defined]
+                    split *= self.mesh.size(j)
+            placements[index] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+        if spmd.spec is None:
+            return self.mesh, tuple(placements), self.shape, self.stride
+        spec_mesh, dims = spmd.spec
+        flat = {"replicate": Replicate(), "shard": placements[spmd.shard[0]]}
+        spec = tuple(flat[d] if isinstance(d, str) else placements[d] for d in dims)
+        return spec_mesh, spec, self.shape, self.stride

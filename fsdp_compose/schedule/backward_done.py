@@ -1,0 +1,172 @@
+"""When a unit's backward is done: one object with every rule, so that it can reduce and
+reshard as early as is safe, and never before.
+
+Four signals end a unit's backward, tried in this order:
+
+1. Its last gradient (cheap, the common case). A hook on each unsharded parameter's
+   gradient accumulation, registered once per layout, counts down from the number of
+   parameters. It is safe because every node that reads a parameter that requires grad
+   computes a gradient for it before that gradient is accumulated: once the last one is,
+   nothing left in the graph reads the unit's parameters (a detached alias excepted,
+   which then fails loudly: "storage of size 0").
+2. Its forward inputs' gradients. Used where (1) is unsafe or never fires: the unit has
+   frozen parameters (their readers compute no gradient: in LoRA the adapters' gradients
+   are complete while the frozen weight is still needed for the inputs' gradient); ranks
+   may leave different parameters without gradient (`reduce_scatter_unused_params`: they
+   would reduce at different points); or an earlier backward left a parameter without
+   gradient (sticky: from then on). A hook on the backward node of each forward input,
+   made at every forward, counts down the forwards; the engine runs a node only when
+   everything that feeds it is done, and the inputs' gradients are the last thing the
+   unit's backward computes.
+3. Its recomputation. Under reentrant activation checkpointing the unit's forward ran
+   without grad; its backward begins when the checkpoint recomputes it, and is hooked
+   there, at every recomputed call, with (2).
+4. The end of backward. A callback queued on the autograd engine finishes every unit no
+   hook finished (inputs without grad, parameters without gradient), in module order,
+   the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..param.sharded_param import ShardedParam
+
+
+class BackwardEnd:
+    """Decides when one unit's backward is done and calls `done` then (once per backward
+    of the unit, while `in_backward()` holds)."""
+
+    def __init__(
+        self, params: list[ShardedParam], done: Callable[[], None],
+        in_backward: Callable[[], bool], reduce_unused: Callable[[], bool],
+    ) -> None:
+        self._params = params
+        self._done = done
+        self._in_backward = in_backward  # the unit is in its backward, not done yet
+        self._reduce_unused = reduce_unused  # reduce_scatter_unused_params, read per forward
+        self.hooked_in_forward = False  # this iteration's (a forward with grad)
+        self._on_last_grad = False  # signal 1 this iteration, else 2
+        self._grads_pending = 0
+        self._inputs_pending = 0
+        self._every_param_got_grads = True  # False forever once one did not (signal 2)
+        # False for a unit whose parameters other units use (tied, see schedule/tied.py): their
+        # uses may come after its inputs' gradients, so signal 4 ends it instead of 2.
+        self.may_end_on_inputs = True
+        # The unsharded parameters that carry the accumulation hook, by position (a new
+        # layout makes new ones).
+        self._hooked: list[nn.Parameter | None] = [None] * len(params)
+
+    def hook_forward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A forward with grad: make this backward of the unit end with its last gradient,
+        or with its inputs' gradients (the inputs, returned in their place, carry the hook)."""
+        self.hooked_in_forward = True
+        return self.hook_recomputation(args, kwargs)
+
+    def hook_recomputation(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """As hook_forward, for a call recomputed by reentrant checkpointing (signal 3)."""
+        self._on_last_grad = self._can_end_on_last_grad()
+        if not self._on_last_grad and self.may_end_on_inputs:
+            args, kwargs, hooked = hook_inputs(args, kwargs, self.inputs_done)
+            self._inputs_pending += hooked  # none: the end of backward finishes the unit
+        return args, kwargs
+
+    def _can_end_on_last_grad(self) -> bool:
+        """Signal 1 applies; hooks parameters laid out anew."""
+        if not self._every_param_got_grads or self._reduce_unused():
+            return False
+        hooked = self._hooked
+        for i, p in enumerate(self._params):
+            param = p.unsharded
+            if not param.requires_grad:
+                return False
+            if hooked[i] is not param:
+                param.register_post_accumulate_grad_hook(self.grad_accumulated)
+                hooked[i] = param
+        return True
+
+    def begin(self) -> None:
+        """The unit's backward begins: count its gradients from here."""
+        self._grads_pending = len(self._params)
+
+    def grad_accumulated(self, _param: nn.Parameter) -> None:
+        """Signal 1: run after each parameter's gradient is accumulated."""
+        if self._on_last_grad and self._in_backward():
+            self._grads_pending -= 1
+            if not self._grads_pending:
+                self._done()
+
+    def inputs_done(self, *_grads: Any) -> None:
+        """Signal 2: run once the backward of one forward's inputs is done (as a node hook,
+        which passes the node's gradients: unused)."""
+        if self._inputs_pending > 0:
+            self._inputs_pending -= 1
+        if not self._inputs_pending and self._in_backward():
+            self._done()
+
+    def at_end_of_backward(self, unfinished: bool) -> None:
+        """Signal 4 reached the unit (`unfinished`: its backward began and no hook ended
+        it). A parameter then got no gradient, if signal 1 was awaited: use 2 from now on."""
+        if unfinished and self._on_last_grad and self._params:
+            self._every_param_got_grads = False
+        self.forget()
+
+    def forget(self) -> None:
+        """The unit's backward finished or was abandoned (reset_iter_state): the next
+        forward hooks anew. Not at the next forward: a standalone forward of another unit
+        (a chunked loss's head) may run between this unit's forward and its backward."""
+        self._inputs_pending = 0
+        self.hooked_in_forward = False
+
+
+def hook_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], hook: Callable[..., None]
+) -> tuple[tuple[Any, ...], dict[str, Any], bool]:
+    """`args` and `kwargs` with `hook` run once the backward of those of their tensors
+    that require grad is done; and whether any did (else nothing will run it)."""
+    if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+        # The common case, one tensor in: no pytree walk, and unless it is a leaf (a view
+        # of which could not be modified in place), a view of it whose backward node runs
+        # the hook: cheaper than an autograd Function.
+        x = args[0]
+        if not x.requires_grad:
+            return args, kwargs, False
+        if x.is_leaf:
+            return _InputsDone.apply(hook, x), kwargs, True  # type: ignore[no-untyped-call]
+        view = x.view_as(x)
+        view.grad_fn.register_hook(hook)  # type: ignore[union-attr]  # a view has a node
+        return (view,), kwargs, True
+    flat, spec = tree_flatten((args, kwargs))
+    where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not where:
+        return args, kwargs, False
+    outs = _InputsDone.apply(hook, *(flat[i] for i in where))  # type: ignore[no-untyped-call]
+    for i, out in zip(where, outs):
+        flat[i] = out
+    new_args, new_kwargs = tree_unflatten(flat, spec)
+    return new_args, new_kwargs, True
+
+
+class _InputsDone(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs the hook."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hook: Callable[[], None], *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.hook = hook
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.hook()
+        return (None, *grads)

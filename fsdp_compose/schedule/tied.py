@@ -1,0 +1,74 @@
+"""Parameters tied across units (an embedding and an LM head in different units): one owner,
+borrowers.
+
+The first unit to annotate a parameter owns it: it gathers it, and reduces its gradient
+once. A later unit that finds the same parameter in its modules borrows it: the modules
+that hold it become owners of the sharded parameter too (so the owner's gather registers
+the unsharded form there as well), and the borrowing unit makes sure the owner is gathered
+before each of its forwards and backwards. Every use writes its gradient into the one
+unsharded parameter, and autograd accumulates them before the owner's last-gradient hook
+runs, so the owner reduces the sum once. A lending unit keeps its parameters from its
+forward to its backward (no reshard after forward), since a borrower may run between the
+two, or inside the owner's enclosing forward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from torch import nn
+
+from ..comm.meshes import UnitMesh
+from ..param.policies import MixedPrecisionPolicy
+from ..param.sharded_param import ShardedParam
+
+if TYPE_CHECKING:
+    from .hooks import UnitState
+
+# Set on each parameter a unit sharded (the object modules held before), to find its
+# owner where another module still holds it.
+OWNER_ATTR = "_fsdp_compose_owner"
+
+
+class Borrowed(NamedTuple):
+    fqn: str  # in the borrowing unit
+    owner: UnitState
+    param: ShardedParam
+    holders: list[tuple[nn.Module, str]]  # the borrowing unit's modules that hold it
+
+
+def owner_of(param: nn.Parameter) -> tuple[UnitState, ShardedParam] | None:
+    owner: tuple[UnitState, ShardedParam] | None = getattr(param, OWNER_ATTR, None)
+    return owner
+
+
+def check_borrowable(name: str, borrowed: Borrowed, mesh: UnitMesh, mp: MixedPrecisionPolicy) -> None:
+    """The borrower computes with the owner's gathered tensor: it must gather on the same
+    mesh and in the same dtype the borrower would have."""
+    owner, param = borrowed.owner, borrowed.param
+    same_mesh = owner.unit.mesh == mesh.mesh
+    dtype = mp.param_dtype or param.sharded.dtype
+    if not same_mesh or param.param_dtype != dtype:
+        raise ValueError(
+            f"fully_shard({name}): parameter {borrowed.fqn!r} is tied to {param.fqn!r} of unit "
+            f"{owner.label}, which gathers it on {owner.unit.mesh} in {param.param_dtype}; "
+            f"this unit would use {mesh.mesh} and {dtype}. Tied parameters shared by units "
+            "need one mesh and one param_dtype: annotate both with the same mesh and "
+            "MixedPrecisionPolicy, or the modules that share it as one unit."
+        )
+
+
+def lend(borrowed: Borrowed, borrower: UnitState) -> None:
+    """Register the owner's sharded parameter in the borrowing modules, as one of its owners,
+    and tell both units."""
+    param = borrowed.param
+    param.owners.extend(borrowed.holders)
+    for module, attr in borrowed.holders:
+        module._parameters[attr] = param.sharded
+    owner = borrowed.owner
+    owner.unit.shards_replaced()  # its registrations now include the borrowers
+    owner.lends = True
+    owner.backward_end.may_end_on_inputs = False  # see BackwardEnd
+    borrower.borrowed_params.append(param)
+    if not any(owner is o for o in borrower.borrowed_from):
+        borrower.borrowed_from.append(owner)

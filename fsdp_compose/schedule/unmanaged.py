@@ -1,0 +1,69 @@
+"""Parameters no unit manages: with only the blocks annotated, a model's own parameters
+(embeddings, a head, a final norm) train on each rank apart, unsynchronised, and drift.
+Said once, with their names, when a model holding units first runs forward."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .state import is_annotated
+
+
+class UnmanagedParametersWarning(UserWarning):
+    """A model with fully_shard units runs forward with trainable parameters outside every
+    unit. Silence it on purpose with
+    `warnings.filterwarnings("ignore", category=UnmanagedParametersWarning)`."""
+
+
+# Marks the sharded parameters fully_shard made and the ones it was told to ignore.
+_ACCOUNTED_MARK = "_fsdp_compose_accounted"
+_looked_at: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_hook: RemovableHandle | None = None
+
+
+def watch(accounted: Iterable[torch.Tensor]) -> None:
+    """fully_shard made a unit: look at the modules called until a root's first forward
+    (a global hook, removed by `stop_watching`, so that later steps pay nothing)."""
+    global _hook
+    for tensor in accounted:
+        setattr(tensor, _ACCOUNTED_MARK, True)
+    if _hook is None:
+        _hook = nn.modules.module.register_module_forward_pre_hook(_look)
+
+
+def stop_watching() -> None:
+    """A root ran its first forward: every module enclosing it was called already."""
+    global _hook
+    if _hook is not None:
+        _hook.remove()
+        _hook = None
+
+
+def _look(module: nn.Module, args: Any) -> None:
+    """A module called before the first root: if it holds units but is none, warn of its
+    trainable parameters that no unit shards."""
+    if module in _looked_at or is_annotated(module):
+        return
+    inside = list(module.modules())
+    _looked_at.update(inside)  # its submodules are covered by this one look
+    if not any(is_annotated(m) for m in inside):
+        return
+    names = [
+        fqn for fqn, p in module.named_parameters() if p.requires_grad and not hasattr(p, _ACCOUNTED_MARK)
+    ]
+    if names:
+        warnings.warn(
+            f"fsdp_compose: {type(module).__name__} holds fully_shard units but is not one, and "
+            f"its parameters {names} are in no unit: each rank trains them apart, "
+            "unsynchronised, and they drift. Annotate it too, after its blocks "
+            f"(fully_shard(model)), or pass them in ignored_params; to keep them apart on "
+            "purpose, filter fsdp_compose.UnmanagedParametersWarning.",
+            UnmanagedParametersWarning, stacklevel=2,
+        )

@@ -1,0 +1,2 @@
+"""Around the runtime: StepTrace and its report, the planner, and gradient clipping across
+meshes."""

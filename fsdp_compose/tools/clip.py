@@ -1,0 +1,90 @@
+"""clip_grad_norm_ for gradients sharded over any meshes: the true global norm, then scaling."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.distributed import ReduceOp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ..comm.collectives import all_reduce
+from ..comm.meshes import mesh_device
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Scale the gradients of `parameters` so their global norm is at most `max_norm`; return
+    the norm before scaling, the same on every rank.
+
+    Gradients may be DTensors on different meshes (fully sharded, HSDP, tensor parallel)
+    and plain tensors, which count as replicated. Call it on every rank with the same
+    parameters, as torch.nn.utils.clip_grad_norm_ is called in single-process training.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    total = total_norm(grads, float(norm_type))
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"clip_grad_norm_: the total norm of order {norm_type} is {total.item()}; pass "
+            "error_if_nonfinite=False to scale anyway (the gradients become non-finite)."
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local.mul_(coef.to(local.device, local.dtype))
+    return total
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of all `grads` taken as one vector, whatever meshes they are sharded over."""
+    # Gradients sharded over the same mesh dimensions combine locally first, then with one
+    # all-reduce per such dimension: a sum of p-th powers (a max for the inf-norm).
+    groups: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}
+    for grad in grads:
+        key = _shard_dims(grad)
+        groups.setdefault(key, []).append(grad.to_local() if isinstance(grad, DTensor) else grad)
+    is_max = math.isinf(norm_type)
+    parts = []
+    for (mesh, dims), locals_ in groups.items():
+        norms = [  # an empty shard (dim 0 shorter than the mesh) contributes nothing
+            torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in locals_ if t.numel()
+        ]
+        if not norms:
+            part = torch.zeros((), device=locals_[0].device)
+        else:
+            stacked = torch.stack(norms)
+            part = stacked.max() if is_max else stacked.pow(norm_type).sum()
+        if dims:
+            assert mesh is not None  # dims come with a DTensor's mesh (_shard_dims)
+            part = part.to(mesh_device(mesh))  # CPU-offloaded gradients reduce on the mesh's device
+            for dim in dims:
+                all_reduce(part, ReduceOp.MAX if is_max else ReduceOp.SUM, mesh.get_group(dim))
+        parts.append(part)
+    combined = torch.stack([part.to(parts[0].device) for part in parts])
+    return combined.max() if is_max else combined.sum().pow(1.0 / norm_type)
+
+
+def _shard_dims(grad: torch.Tensor) -> tuple[DeviceMesh | None, tuple[int, ...]]:
+    if not isinstance(grad, DTensor):
+        return None, ()
+    dims = []
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            raise ValueError(
+                f"clip_grad_norm_: a gradient has a Partial placement on mesh dim {dim} "
+                f"({grad.placements}); its norm needs the reduced gradient. Reduce it first "
+                "(e.g. grad.redistribute(..., Replicate())) or let the backward finish."
+            )
+        if placement.is_shard() or isinstance(placement, _StridedShard):  # FSDP over TP rows
+            dims.append(dim)
+    return grad.device_mesh, tuple(dims)

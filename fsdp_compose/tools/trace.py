@@ -1,0 +1,197 @@
+"""StepTrace: what each unit did in one or more training steps, on this rank: its
+all-gathers and reduce-scatters (issued, waited for, bytes, time the rank was blocked), its
+forward and backward compute, and the memory held at each.
+
+While a trace is open it is the runtime's observer (comm/observer.py), told of each part's
+collectives and each unit's backward, and it hooks its modules' forward; on exit it
+removes both, so the runtime then pays one None check per event. Each span is also a
+`torch.profiler.record_function` range, "fsdp::<unit> <what> <pass>", so it shows in
+torch.profiler traces. Rendering (table, Chrome trace, picture) is in tools/trace_report.py.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..comm import observer as _observer
+from ..comm.collectives import all_gather_object
+from ..schedule.hooks import UnitState
+from ..schedule.phase import in_backward
+from ..schedule.state import state_of
+from .trace_report import (
+    ALL_GATHER,
+    BACKWARD,
+    COMPUTE,
+    FORWARD,
+    REDUCE_SCATTER,
+    Span,
+    chrome_trace,
+    draw_timeline,
+    unit_table,
+)
+
+
+class StepTrace:
+    """Record every unit of `model` (annotated) while open:
+
+        with StepTrace(model) as trace:
+            loss = model(batch).sum(); loss.backward(); optimizer.step()
+        print(trace.table())
+        trace.save_chrome("step.json")  # every rank calls it: rank 0 writes all ranks
+        trace.save_png("step.png")      # this rank's units over time, and memory
+
+    Memory at each span's end: on an accelerator the bytes its allocator holds for
+    tensors; on the CPU the bytes fsdp_compose holds beyond the shards (unsharded
+    parameters and communication buffers), which is what sharding changes.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.spans: list[Span] = []
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        states = {id(s): s for m in model.modules() if (s := state_of(m)) is not None}
+        if not states:
+            raise ValueError(f"StepTrace: {type(model).__name__} has no fully_shard units.")
+        self._states: list[UnitState] = list(states.values())
+        self._state_ids = set(states)
+        # Each part of this model's units, by id, and the unit state it belongs to.
+        self._part_of: dict[int, UnitState] = {
+            id(part): s for s in self._states for part in s.unit.parts
+        }
+        self._hooks: list[RemovableHandle] = []
+        self._origin = 0.0
+        self._open: dict[tuple[int, str, str], Span] = {}  # spans begun, not yet ended
+        # Events begun, not yet ended: their start and profiler range, by (part, event).
+        self._events: dict[tuple[int, str], tuple[float, Any]] = {}
+        self._device = self._states[0].unit.device  # every unit of a model computes there
+
+    # -- opening and closing -----------------------------------------------------------------
+
+    def __enter__(self) -> StepTrace:
+        if _observer.current is not None:
+            raise RuntimeError("StepTrace: another trace is open; one at a time (close it first).")
+        self._origin = time.perf_counter()
+        for state in self._states:
+            self._hook_forward(state)
+        _observer.observe(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _observer.observe(None)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for _, record in self._events.values():  # ranges an exception left open
+            record.__exit__(None, None, None)
+        self._events.clear()
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._origin
+
+    def _hook_forward(self, state: UnitState) -> None:
+        def forward_began(module: nn.Module, args: Any) -> None:
+            if not in_backward():  # (a recomputation in backward belongs to backward)
+                self._begin(state, COMPUTE, FORWARD, self._now())
+
+        def forward_ended(module: nn.Module, args: Any, output: Any) -> None:
+            self._end(state, COMPUTE, FORWARD)
+
+        for module in state.modules:
+            self._hooks.append(module.register_forward_pre_hook(forward_began))  # after fully_shard's
+            self._hooks.append(module.register_forward_hook(forward_ended, prepend=True))  # before its
+
+    # -- the runtime's events (see comm/observer.py) -------------------------------------------------
+
+    def begin(self, part: object, event: str) -> None:
+        if (state := self._part_of.get(id(part))) is None:
+            return  # another model's unit
+        name = f"fsdp::{self._name(state)} {event}"
+        if event == _observer.ISSUE_GATHER:
+            name += f" {BACKWARD if in_backward() else FORWARD}"
+        elif event == _observer.ISSUE_REDUCE:
+            self._end(state, COMPUTE, BACKWARD)  # the unit's gradients are all there
+        record = torch.profiler.record_function(name)
+        record.__enter__()
+        self._events[id(part), event] = (self._now(), record)
+
+    def end(self, part: object, event: str, nbytes: int = 0) -> None:
+        if (state := self._part_of.get(id(part))) is None:
+            return
+        begun, record = self._events.pop((id(part), event))
+        record.__exit__(None, None, None)
+        blocked = self._now() - begun
+        if event == _observer.ISSUE_GATHER:
+            phase = BACKWARD if in_backward() else FORWARD
+            self._begin(state, ALL_GATHER, phase, begun, by=part, nbytes=nbytes, blocked=blocked)
+        elif event == _observer.WAIT_GATHER:
+            self._end(state, ALL_GATHER, None, blocked=blocked, by=part)
+        elif event == _observer.ISSUE_REDUCE and nbytes:
+            self._begin(state, REDUCE_SCATTER, BACKWARD, begun, by=part, nbytes=nbytes,
+                        blocked=blocked)
+        elif event == _observer.WAIT_REDUCE:
+            self._end(state, REDUCE_SCATTER, BACKWARD, blocked=blocked, by=part)
+
+    def backward_began(self, state: object) -> None:
+        if id(state) in self._state_ids and (id(state), COMPUTE, BACKWARD) not in self._open:
+            self._begin(state, COMPUTE, BACKWARD, self._now())  # type: ignore[arg-type]
+
+    # -- what is recorded ----------------------------------------------------------------------
+
+    def _name(self, state: UnitState) -> str:
+        return state.unit.fqn_prefix.rstrip(".")
+
+    def _begin(
+        self, state: UnitState, kind: str, phase: str, start: float, by: object = None,
+        **fields: Any,
+    ) -> None:
+        """A span of `state`'s unit begins; `by` (default the unit) tells apart the spans of
+        one unit that overlap (its parts' collectives, with parameters on several meshes)."""
+        key = id(state if by is None else by), kind, phase
+        self._open[key] = Span(self._name(state), kind, phase, start, start, **fields)
+
+    def _end(
+        self, state: UnitState, kind: str, phase: str | None = None, blocked: float = 0.0,
+        by: object = None,
+    ) -> None:
+        for p in (phase,) if phase else (FORWARD, BACKWARD):
+            span = self._open.pop((id(state if by is None else by), kind, p), None)
+            if span is not None:
+                span.end = self._now()
+                span.blocked += blocked
+                span.memory = self.memory()
+                self.spans.append(span)
+                return
+
+    def memory(self) -> int:
+        """Bytes held now: see the class docstring."""
+        device = self._device
+        if device.type != "cpu":
+            return int(torch.get_device_module(device.type).memory_allocated(device))
+        return sum(s.unit.held_bytes() for s in self._states)
+
+    # -- results -------------------------------------------------------------------------------
+
+    def table(self) -> str:
+        """Per unit and pass: bytes and milliseconds of its collectives, its compute, the
+        communication it waited for (not hidden by compute), the peak memory."""
+        return unit_table(self.spans, on_cpu=self._device.type == "cpu")
+
+    def save_chrome(self, path: str) -> None:
+        """A Chrome trace (Perfetto, chrome://tracing) of every rank: a process per rank, a
+        lane per stream (compute, all-gather, reduce-scatter), a memory counter. Collective:
+        every rank calls it; the first writes."""
+        spans: list[list[Span]] = [self.spans]
+        if dist.is_initialized():
+            spans = cast(list[list[Span]], all_gather_object(self.spans, dist.group.WORLD))  # type: ignore[arg-type]  # WORLD is set once initialised
+        if self.rank == 0:
+            chrome_trace(path, spans)
+
+    def save_png(self, path: str) -> None:
+        """This rank's units over time (compute and collectives per unit) above the memory
+        held; needs matplotlib (`pip install "fsdp_compose[bench]"`)."""
+        draw_timeline(path, self.spans, self.rank)

@@ -1,0 +1,248 @@
+"""Gathering a unit: one all-gather of every parameter's shard into the unsharded
+parameters, and back (reshard), over the memory layout of unit/layout.py."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch.distributed import ProcessGroup, Work
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..comm import observer as _observer
+from ..comm.buffer import ReusedBuffer
+from ..comm.collectives import all_gather, allocate, collective_failed
+from .codec import decode_rows, encode_shards
+from .layout import Layout, forms_by_owner
+from .post_forward import PostForwardShards
+
+if TYPE_CHECKING:  # the part owns its gatherer
+    from .part import MeshPart
+
+
+class _Gather(NamedTuple):
+    """An all-gather in flight: its result (row r: rank r's shards) and how to copy it out."""
+
+    gathered: torch.Tensor  # (rows, columns)
+    work: Work | torch.Event | None  # wait(): gloo blocks; an event orders the compute stream
+    rows: int  # ranks gathered from
+    sizes: list[int]  # each parameter's padded shard, per row (bytes if encoded)
+    from_post_forward: bool
+    encoded: bool  # uint8 rows of codec encodings; see encode_shards
+    inputs: list[torch.Tensor] | None  # kept until waited for; see comm/streams.py
+    layout: Layout  # the part's when it started: where the rows land
+
+
+class Gatherer:
+    """Unshards a part's parameters with one all-gather and reshards them. With a
+    post-forward mesh (reshard_after_forward=<int>), resharding after forward keeps a piece
+    of each parameter sharded over a smaller group, and the next unshard gathers there."""
+
+    def __init__(self, part: MeshPart) -> None:
+        self._part = part
+        self.params = part.params
+        self.is_unsharded = False
+        self.keep_unsharded_storage = False  # set_keep_unsharded_storage (e.g. CUDA graphs)
+        self._allocated: Layout | None = None  # the layout whose storages hold their bytes
+        self._buffer = ReusedBuffer()  # unless a custom all-gather allocates
+        self._pending: _Gather | None = None
+        self._post_forward: PostForwardShards | None = None
+
+    def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
+        """Reshard after forward to dim 1 of `mesh` (a smaller group), or fully if None."""
+        self.reshard()
+        if mesh is not None:
+            self._check_extended()
+        self._post_forward = None if mesh is None else PostForwardShards(self.params, mesh)
+
+    def layout_changed(self) -> None:
+        """The part was laid out anew: its unsharded storages come freed."""
+        self._allocated = None
+        if self._post_forward is not None:
+            self._check_extended()
+
+    def held_bytes(self) -> int:
+        """Bytes held beyond the shards: unsharded data and the all-gather buffer."""
+        layout = self._part.layout
+        storages = () if layout is None else layout.storages
+        return sum(storage.nbytes() for storage, _ in storages) + self._buffer.nbytes()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather the parameters; with `async_op` only start, and finish in
+        `wait_for_unshard` (or in an unshard without it)."""
+        if self._pending is not None:
+            if not async_op:
+                self.wait_for_unshard()
+            return
+        if self.is_unsharded or not self.params:
+            return
+        part = self._part
+        side = part.streams
+        post_forward = self._post_forward
+        if post_forward is not None and post_forward.is_kept:  # inside the smaller group
+            group, sizes, inputs = post_forward.group, post_forward.sizes, post_forward.take()
+            rows = group.size()
+            written_on_compute = True
+        else:
+            written_on_compute = part.layout is None
+            if written_on_compute:
+                part.lay_out()
+            if part.layout is not None and part.layout.zero_copy:
+                self._register_unsharded()  # the shards are the unsharded data
+                return
+            mesh = part.mesh
+            group, rows, sizes, inputs = mesh.shard_group, mesh.shard_size, part.sizes, None
+        if side is None:
+            self._pending = self._start(group, rows, sizes, inputs, async_op)
+        else:
+            if written_on_compute:
+                side.follow_compute()  # the shards or kept pieces may still be being written
+            with side.gathering():
+                gather = self._start(group, rows, sizes, inputs, async_op=False)
+                self._pending = gather._replace(work=side.gathered())
+        if not async_op:
+            self.wait_for_unshard()
+
+    def _start(
+        self, group: ProcessGroup, rows: int, sizes: list[int],
+        inputs: list[torch.Tensor] | None, async_op: bool,
+    ) -> _Gather:
+        """Issue the all-gather of this rank's shards (or of kept pieces, `inputs`)."""
+        part = self._part
+        if (observer := _observer.current) is not None:
+            observer.begin(part, _observer.ISSUE_GATHER)
+        layout = part.layout
+        assert layout is not None, "laid out by unshard"
+        encoded, spec = False, None
+        if inputs is not None:
+            shards = torch.cat(inputs)
+            encoded = self._post_forward is not None and self._post_forward.as_bytes
+        elif part.codecs or layout.dtypes.mixed_dtypes or layout.extended:  # see encode_shards
+            shards, sizes = encode_shards(self.params, part.codecs, part.device)
+            encoded = True
+        else:
+            shards, spec = self._flat_shard(layout), layout.gather_spec
+        if spec is None:
+            spec = ((rows, shards.numel()), shards.dtype, part.device)
+        custom = part.custom_all_gather
+        if custom is None:  # row r: rank r's shards
+            gathered = self._buffer.take(spec)
+            flat = self._buffer.flat
+        else:
+            shape, dtype, device = spec
+            flat = allocate(custom, (shape[0] * shape[1],), dtype, device)
+            gathered = flat.view(shape)
+        if layout.dtypes.is_complex and not encoded:  # sent as real pairs, as torch does
+            flat, shards = torch.view_as_real(flat), torch.view_as_real(shards)
+        try:
+            work = all_gather(flat, shards, group, rows, async_op, custom)
+        except RuntimeError as error:
+            raise collective_failed(part.label, "all-gather", rows, error) from error
+        if observer is not None:
+            observer.end(part, _observer.ISSUE_GATHER, gathered.nbytes)
+        return _Gather(gathered, work, rows, sizes, inputs is not None, encoded, inputs, layout)
+
+    def _check_extended(self) -> None:
+        layout = self._part.layout
+        if layout is not None and layout.extended:
+            raise NotImplementedError(
+                f"fsdp_compose: unit {self._part.label}: parameter {layout.extended[0].fqn!r} "
+                "has all-gather hooks (fsdp_pre_all_gather), which reshard_after_forward=<int> "
+                "cannot keep a piece of (torch's fully_shard refuses this too); pass a bool."
+            )
+
+    def _flat_shard(self, layout: Layout) -> torch.Tensor:
+        """Every parameter's padded shard, back to back, in param_dtype (mixed precision
+        gathers the dtype that computes) on the device (CPU offload gathers there)."""
+        part, flat = self._part, layout.flat
+        dtype = layout.dtypes.param_dtype
+        if flat is None:
+            return torch.cat([p.padded_shard.to(part.device, dtype) for p in self.params])
+        if layout.flat_needs_cast:
+            return flat.to(part.device, dtype, non_blocking=True)
+        return flat
+
+    def wait_for_unshard(self) -> None:
+        """Finish a started all-gather: copy out into the unsharded parameters, register them."""
+        if self._pending is None:
+            return
+        gather, part = self._pending, self._part
+        self._pending = None
+        if (observer := _observer.current) is not None:
+            observer.begin(part, _observer.WAIT_GATHER)
+        if gather.work is not None:
+            try:
+                gather.work.wait()
+            except RuntimeError as error:
+                raise collective_failed(part.label, "all-gather", gather.rows, error) from error
+        layout = gather.layout
+        if self._allocated is not layout:  # resize_ reallocates even to the same size
+            for storage, nbytes in layout.storages:
+                storage.resize_(nbytes)
+            self._allocated = layout
+        self._copy_out(gather, layout)
+        self._buffer.release()
+        if part.streams is not None:
+            part.streams.copied_out()
+        self._register_unsharded()
+        if observer is not None:
+            observer.end(part, _observer.WAIT_GATHER)
+
+    def _register_unsharded(self) -> None:
+        if (layout := self._part.layout) is not None:
+            for parameters, _, unsharded in layout.registrations:
+                parameters.update(unsharded)
+        else:  # a parameter changed since the gather began: it knows its forms
+            for p in self.params:
+                p.to_unsharded()
+        self.is_unsharded = True
+
+    def _copy_out(self, gather: _Gather, layout: Layout) -> None:
+        """Write the gathered rows into each parameter's unsharded data."""
+        part, targets = self._part, layout.targets
+        if gather.from_post_forward:
+            assert self._post_forward is not None
+            self._post_forward.copy_out(gather.gathered, part.all_dim0)
+        elif gather.encoded:
+            built = decode_rows(gather.gathered, gather.sizes, self.params, part.codecs, targets)
+            if built and part.layout is layout:  # a hook built an unsharded parameter
+                part.layout = layout._replace(registrations=forms_by_owner(
+                    r for p in self.params for r in p.registrations()
+                ))
+        elif part.all_dim0:
+            torch.split_with_sizes_copy(gather.gathered, gather.sizes, dim=1, out=targets)
+        else:  # some parameter is sharded on another dim: its target is strided
+            for target, piece in zip(targets, torch.split(gather.gathered, gather.sizes, dim=1)):
+                target.copy_(piece.view(target.shape))
+
+    def reshard(self, keep_post_forward: bool = False) -> None:
+        """Register the sharded parameters again and free the unsharded data; with
+        `keep_post_forward` and a post-forward mesh, keep each parameter's piece for it."""
+        if self._pending is not None:
+            self.wait_for_unshard()  # an all-gather in flight must land before its buffers go
+        post_forward = self._post_forward if keep_post_forward else None
+        if not self.is_unsharded:
+            if post_forward is None and self._post_forward is not None:
+                self._post_forward.drop()  # a full reshard: the kept pieces are not needed
+            return
+        if post_forward is not None:
+            post_forward.keep()
+        layout = self._part.layout
+        if layout is not None:
+            for parameters, sharded, _ in layout.registrations:
+                parameters.update(sharded)
+        else:  # a parameter changed since the layout: it knows its forms
+            for p in self.params:
+                p.to_sharded()
+        if not self.keep_unsharded_storage and (allocated := self._allocated) is not None:
+            for storage, _ in allocated.storages:
+                storage.resize_(0)
+            self._allocated = None
+            for p in allocated.extended:
+                assert p.extension is not None
+                p.extension.free()
+        self.is_unsharded = False

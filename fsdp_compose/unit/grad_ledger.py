@@ -1,0 +1,166 @@
+"""A unit's gradient ledger: every gradient held back between a backward and the sharded
+`.grad`s, as pending (this backward's) or committed (earlier backwards').
+
+Note [gradients per backward]: a backward's gradients count only once it has finished.
+Until then autograd writes this backward's unsharded gradient into `unsharded.grad`, and
+the ledger keeps apart what it may still undo: the reduced shards (`_held`, or each
+parameter's in `_pending_shard`), which earlier sums a reduction spent, and the HSDP
+partial sums it made. Committed are the unsharded sums of backwards without gradient sync
+(`_accumulated`) and the HSDP partial sums of backwards without all-reduce (`_partial`).
+The end of backward commits; a backward that raised is discarded, leaving what earlier
+backwards accumulated as it was.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+from ..param.sharded_param import ShardedParam
+
+
+class GradLedger:
+    def __init__(self, params: list[ShardedParam], sizes: list[int]) -> None:
+        self._params = params
+        self._sizes = sizes  # each parameter's padded shard
+        # Committed: unsharded sums without sync, in reduce_dtype; HSDP partial sums.
+        self._accumulated: dict[ShardedParam, torch.Tensor] = {}
+        self._partial: dict[ShardedParam, torch.Tensor] = {}
+        # Pending: this backward's reduced shards (every parameter's, back to back, when a
+        # single reduction had them all: see _commit_held) or each parameter's; the
+        # committed sums a reduction included; new partial sums.
+        self._held: torch.Tensor | None = None
+        self._pending_shard: dict[ShardedParam, torch.Tensor] = {}
+        self._spent_accumulated: set[ShardedParam] = set()
+        self._pending_partial: dict[ShardedParam, torch.Tensor] = {}
+        self._spent_partial: set[ShardedParam] = set()
+        # Weak references to an earlier `held` and to the local tensors of the `.grad`s a
+        # commit made views of it; see _commit_held.
+        self._grad_views: tuple[weakref.ref[torch.Tensor], list[weakref.ref[torch.Tensor]]] | None = None
+
+    # -- unsharded gradients ---------------------------------------------------------------
+
+    def has_unsharded_grads(self) -> bool:
+        return bool(self._accumulated) or any(p.unsharded.grad is not None for p in self._params)
+
+    def take_unsharded(self, p: ShardedParam) -> torch.Tensor | None:
+        """For a reduction: p's unsharded gradient summed over the backwards since the last
+        reduction. Takes this backward's gradient; the earlier sum stays until `commit`."""
+        grad = p.pop_unsharded_grad()
+        accumulated = self._accumulated.get(p)
+        if accumulated is None or p in self._spent_accumulated:
+            return grad
+        self._spent_accumulated.add(p)  # a second reduction in this backward excludes it
+        return accumulated if grad is None else accumulated + grad
+
+    # -- HSDP partial sums (set_requires_all_reduce(False)) --------------------------------
+
+    def has_partial(self, p: ShardedParam) -> bool:
+        """Whether `p` has a partial sum to take (then it takes part in the reduction)."""
+        return p in self._pending_partial or (p in self._partial and p not in self._spent_partial)
+
+    def take_partial(self, p: ShardedParam) -> torch.Tensor | None:
+        """p's partial sum so far, including an earlier reduction in this backward, but not
+        one an all-reduce already spent."""
+        if p in self._pending_partial:
+            return self._pending_partial.pop(p)
+        return None if p in self._spent_partial else self._partial.get(p)
+
+    def keep_partial(self, shards: Iterable[tuple[ShardedParam, torch.Tensor]]) -> None:
+        """The reduced shards of a reduction without all-reduce: the new partial sums."""
+        self._pending_partial.update(shards)
+
+    def spend_partial(self, params: Iterable[ShardedParam]) -> None:
+        """An all-reduce included these parameters' sums: they start again from zero."""
+        self._spent_partial.update(params)
+
+    # -- reduced shards ----------------------------------------------------------------------
+
+    def hold(self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor) -> None:
+        """Keep reduced gradient shards (padded, back to back) until the backward finishes:
+        whole when they are every parameter's and the first (see _commit_held), else each
+        parameter its own."""
+        if self._held is None and len(params) == len(self._params):
+            self._held = reduced
+            return
+        if self._held is not None:
+            self._hold_each(self._params, self._sizes, self._held)
+            self._held = None
+        self._hold_each(params, sizes, reduced)
+
+    def _hold_each(self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor) -> None:
+        pending = self._pending_shard
+        for p, shard in zip(params, torch.split_with_sizes(reduced, sizes)):
+            earlier = pending.get(p)
+            pending[p] = shard if earlier is None else earlier + shard
+
+    # -- the end of a backward ---------------------------------------------------------------
+
+    def commit(self) -> None:
+        """The backward finished: its reduced shards join the sharded `.grad`s (and the sums
+        they included are spent), its unreduced gradients join the unsharded sums (in
+        reduce_dtype when that is wider: summing in place, autograd would keep
+        param_dtype), its partial sums replace the old."""
+        reduced: list[ShardedParam] | dict[ShardedParam, torch.Tensor] = self._pending_shard
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._commit_held(held)
+            reduced = self._params
+        elif self._pending_shard:
+            for p, shard in self._pending_shard.items():
+                p.add_to_grad(shard)
+            self._pending_shard = {}
+        if self._spent_accumulated:
+            for p in self._spent_accumulated:
+                del self._accumulated[p]
+            self._spent_accumulated = set()
+        for p in self._params:
+            if p.unsharded.grad is not None:  # a backward without reduction
+                grad = p.pop_unsharded_grad()
+                assert grad is not None
+                if (accumulated := self._accumulated.get(p)) is None:
+                    self._accumulated[p] = grad.to(p.reduce_dtype)
+                else:
+                    accumulated.add_(grad)
+        if self._spent_partial or self._pending_partial:
+            for p in self._spent_partial:
+                self._partial.pop(p, None)
+            self._partial.update(self._pending_partial)
+            self._spent_partial, self._pending_partial = set(), {}
+        for p in reduced:
+            p.run_grad_hooks()
+
+    def discard(self) -> None:
+        """The backward did not finish: forget its gradients, keep the earlier ones."""
+        self._held = None
+        for p in self._params:
+            p.unsharded.grad = None
+        self._pending_shard = {}
+        self._spent_accumulated = set()
+        self._spent_partial, self._pending_partial = set(), {}
+
+    def _commit_held(self, held: torch.Tensor) -> None:
+        """Add every parameter's reduced shard in `held` to its `.grad`. When the `.grad`s
+        are still the views of an earlier `held` that a commit made them (as in gradient
+        accumulation), with one add; else each its own, which makes the `.grad`s that were
+        None views of `held` (ShardedParam.add_to_grad)."""
+        views = self._grad_views
+        if views is not None and (base := views[0]()) is not None and self._grads_are(views[1]):
+            base.add_(held)
+            return
+        shards = torch.split_with_sizes(held, self._sizes)
+        locals_ = [p.add_to_grad(shard) for p, shard in zip(self._params, shards)]
+        self._grad_views = None
+        if all(local._base is held for local in locals_):
+            self._grad_views = (weakref.ref(held), [weakref.ref(local) for local in locals_])
+
+    def _grads_are(self, locals_: list[weakref.ref[torch.Tensor]]) -> bool:
+        """Whether every parameter's `.grad` has the local tensor in `locals_` (not the
+        DTensor: swap_tensors, as in module.to(), keeps the object and changes its data)."""
+        for p, local in zip(self._params, locals_):
+            grad = p.sharded.grad  # a loop, not all() over a generator: this runs every step
+            if grad is None or grad._local_tensor is not local():  # type: ignore[attr-defined]
+                return False
+        return True

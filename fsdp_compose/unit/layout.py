@@ -1,0 +1,170 @@
+"""How a part's parameters lie in memory and travel: their padded shards back to back in one
+flat tensor (which the all-gather sends as is), their unsharded data in one storage, their
+registrations grouped by owning module (what one dict update swaps), and the dtypes and
+sizes both collectives use. Built in one function, read by the Gatherer and the Reducer,
+built anew when the parameters change (a dtype, a shard, all-gather hooks)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from ..comm.meshes import UnitMesh, shard_mesh
+from ..param.extension import GatherExtension, carried_problem, has_extension
+from ..param.sharded_param import Registration, ShardedParam
+
+# One owning module's _parameters, and the sharded and the unsharded forms of its
+# parameters in a unit, by name: what one dict update registers.
+OwnerForms = tuple[dict[str, Any], dict[str, nn.Parameter], dict[str, nn.Parameter]]
+# The spec of a collective's rows: (shape, dtype, device); see ReusedBuffer.take.
+BufferSpec = tuple[tuple[int, int], torch.dtype, torch.device]
+
+
+class DtypeFacts(NamedTuple):
+    """What the parameters' dtypes make of a part's collectives."""
+
+    param_dtype: torch.dtype  # what the first parameter gathers and computes in
+    reduce_dtype: torch.dtype  # the widest reduce dtype of the parameters that train
+    is_complex: bool  # sent as real pairs
+    mixed_dtypes: bool  # the parameters gather in different dtypes: sent as bytes
+
+
+class Layout(NamedTuple):
+    """One part's parameters laid out (see the module docstring). Immutable: a change to
+    the parameters builds a new one."""
+
+    dtypes: DtypeFacts
+    flat: torch.Tensor | None  # every padded shard; None with mixed dtypes or hooks
+    flat_needs_cast: bool  # to param_dtype or to the device (CPU offload) at each gather
+    gather_spec: BufferSpec | None  # of an all-gather of `flat`
+    reduce_spec: BufferSpec  # of a reduce-scatter of every parameter's gradient
+    storages: list[tuple[torch.UntypedStorage, int]]  # unsharded data, freed as size 0
+    targets: list[torch.Tensor]  # where each parameter's gathered rows land
+    registrations: list[OwnerForms]
+    extended: list[ShardedParam]  # with all-gather hooks: see param/extension.py
+    # A group of one rank whose shards are already what computes (dtype, device, no codec,
+    # no hooks): the unsharded parameters are views of the shards; nothing is gathered.
+    zero_copy: bool
+
+
+def dtype_facts(params: list[ShardedParam]) -> DtypeFacts:
+    training = [p.reduce_dtype for p in params if p.sharded.requires_grad]
+    first = params[0]
+    return DtypeFacts(
+        param_dtype=first.param_dtype,
+        reduce_dtype=functools.reduce(torch.promote_types, training or [first.reduce_dtype]),
+        is_complex=first.param_dtype.is_complex,
+        mixed_dtypes=len({p.param_dtype for p in params}) > 1,
+    )
+
+
+def lay_out(
+    params: list[ShardedParam], mesh: UnitMesh, sizes: list[int], label: str,
+    refuse_unhooked: bool, has_codecs: bool,
+) -> Layout | None:
+    """Lay `params` out over `mesh` (`sizes`: each one's padded shard). The unsharded
+    storages come back freed. None when a tensor-subclass shard has no all-gather hooks
+    yet and not `refuse_unhooked` (fully_shard lays out at once; the hooks may be
+    attached after it, before the first gather, which then refuses the subclass)."""
+    if not _find_extensions(params, mesh, label, refuse_unhooked):
+        return None
+    extended = [p for p in params if p.extension is not None]
+    dtypes = dtype_facts(params)
+    rows, numel, device = mesh.shard_size, sum(sizes), mesh.device
+    flat = None if extended else flat_shards(params, numel)
+    gather_spec = None if flat is None else ((rows, numel), dtypes.param_dtype, device)
+    zero_copy = rows == 1 and not extended and not has_codecs and all(
+        (p.padded_shard.dtype, p.padded_shard.device) == (p.param_dtype, device) for p in params
+    )
+    buffers: list[torch.Tensor] = []
+    if zero_copy:
+        for p in params:
+            p.use_unsharded_buffer(p.padded_shard)
+    elif plain := [(p, n) for p, n in zip(params, sizes) if p.extension is None]:
+        # (parameters with all-gather hooks build their own unsharded data)
+        buffers = unsharded_buffers(
+            [p for p, _ in plain], rows, [n for _, n in plain], dtypes.param_dtype, device
+        )
+    # Freed by resizing to 0 rather than dropped: autograd may have saved the unsharded
+    # parameters, and what it saved must see the data of the next all-gather.
+    storages = [(b.untyped_storage(), b.nbytes) for b in buffers]
+    for storage, _ in storages:
+        storage.resize_(0)
+    return Layout(
+        dtypes=dtypes,
+        flat=flat,
+        flat_needs_cast=flat is not None and (flat.dtype, flat.device) != (dtypes.param_dtype, device),
+        gather_spec=gather_spec,
+        reduce_spec=((rows, numel), dtypes.reduce_dtype, device),
+        storages=storages,
+        targets=[p.gather_target for p in params],
+        registrations=forms_by_owner(r for p in params for r in p.registrations()),
+        extended=extended,
+        zero_copy=zero_copy,
+    )
+
+
+def _find_extensions(
+    params: list[ShardedParam], mesh: UnitMesh, label: str, refuse_unhooked: bool
+) -> bool:
+    """Give each parameter whose local shard has all-gather hooks its GatherExtension
+    (kept while the shard is the same), and no other parameter one. Whether every
+    tensor-subclass shard has hooks; with `refuse_unhooked`, one without raises."""
+    for p in params:
+        where = f"fsdp_compose: unit {label}: parameter {p.fqn!r}"
+        if not has_extension(p.local, where):
+            if (problem := carried_problem(where, p.local)) is not None:
+                if refuse_unhooked:  # on every rank alike: they hold the same model
+                    raise TypeError(problem)
+                return False
+            p.extension = None
+        elif p.extension is None:
+            p.extension = GatherExtension(
+                p.fqn, p.owners[0][0], shard_mesh(mesh.mesh), p.shape, p.mp_policy
+            )
+    return True
+
+
+def flat_shards(params: list[ShardedParam], numel: int) -> torch.Tensor | None:
+    """One flat tensor holding every parameter's padded shard (each parameter's shard then
+    a view of it), when they share a dtype and a device; else None."""
+    first = params[0].padded_shard
+    if not all(p.padded_shard.dtype == first.dtype and p.padded_shard.device == first.device
+               for p in params):
+        return None
+    # Parameters outlive an inference_mode forward that may get here first.
+    with torch.inference_mode(False), torch.no_grad():
+        flat = torch.empty(numel, dtype=first.dtype, device=first.device, pin_memory=first.is_pinned())
+        for p, piece in zip(params, flat.split([p.layout.padded_shard_numel for p in params])):
+            p.move_shard_into(piece)
+    return flat
+
+
+def unsharded_buffers(
+    params: list[ShardedParam], rows: int, sizes: list[int], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """The unsharded data: one storage shared by the parameters when they compute in one
+    dtype, else each its own (new: an earlier layout may have lent them their shards)."""
+    if not all(p.param_dtype == dtype for p in params):
+        for p in params:
+            p.allocate_unsharded_buffer(device)
+        return [p.unsharded_buffer for p in params]
+    with torch.inference_mode(False):
+        unsharded = torch.empty(rows * sum(sizes), dtype=dtype, device=device)
+        for p, piece in zip(params, unsharded.split([rows * n for n in sizes])):
+            p.use_unsharded_buffer(piece)
+    return [unsharded]
+
+
+def forms_by_owner(registrations: Iterable[Registration]) -> list[OwnerForms]:
+    """Registrations grouped by owning module."""
+    by_owner: dict[int, OwnerForms] = {}
+    for r in registrations:
+        _, sharded, unsharded = by_owner.setdefault(id(r.parameters), (r.parameters, {}, {}))
+        sharded[r.name] = r.sharded
+        unsharded[r.name] = r.unsharded
+    return list(by_owner.values())

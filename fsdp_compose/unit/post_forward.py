@@ -1,0 +1,81 @@
+"""reshard_after_forward=<int>: after forward, each parameter of a unit keeps its piece of a
+shard over a smaller group (dim 1 of the post-forward mesh, e.g. the ranks of one node), and
+the unshard before backward gathers it inside that group from those pieces."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..param.sharded_param import ShardedParam
+from ..param.sharding import shard_layout
+
+
+class PostForwardShards:
+    """A unit's pieces over its post-forward group, kept between forward and backward.
+
+    Pieces of one dtype are sent as they are; when the unit's parameters gather in
+    different dtypes, each piece is sent as its bytes, padded to 8 so that every piece of
+    the gathered rows can be viewed in its dtype again (as encode_shards does)."""
+
+    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh) -> None:
+        self.group: ProcessGroup = mesh.get_group(1)
+        size, index = mesh.size(1), mesh.get_local_rank(1)
+        self._params = params
+        self._layouts = [shard_layout(p.layout.shape, size, p.layout.dim) for p in params]
+        self._rows = [layout.chunk(index) for layout in self._layouts]
+        self.sizes: list[int] = []  # what each piece sends per rank, set by keep
+        self.as_bytes = False  # whether the kept pieces are bytes
+        self._kept: list[torch.Tensor] | None = None
+
+    @property
+    def is_kept(self) -> bool:
+        return self._kept is not None
+
+    def keep(self) -> None:
+        """Copy this rank's piece of each parameter out of its unsharded data (which the
+        reshard then frees)."""
+        kept = []
+        unsharded = [p.unsharded.detach() for p in self._params]
+        self.as_bytes = len({u.dtype for u in unsharded}) > 1
+        for whole, layout, rows in zip(unsharded, self._layouts, self._rows):
+            piece = whole.narrow(layout.dim, rows.start, len(rows))
+            padded = whole.new_empty(layout.padded_shard_numel)  # the padding is unread
+            padded[: piece.numel()].copy_(piece.reshape(-1))
+            if self.as_bytes:
+                data = padded.view(torch.uint8)
+                padded = torch.nn.functional.pad(data, (0, -data.numel() % 8))
+            kept.append(padded)
+        self.sizes = [piece.numel() for piece in kept]
+        self._kept = kept
+
+    def take(self) -> list[torch.Tensor]:
+        """The kept pieces, no longer kept: what the all-gather inside the group sends."""
+        kept, self._kept = self._kept, None
+        if kept is None:
+            raise RuntimeError("fsdp_compose: no post-forward pieces kept to gather")
+        return kept
+
+    def drop(self) -> None:
+        self._kept = None
+
+    def copy_out(self, gathered: torch.Tensor, all_dim0: bool) -> None:
+        """Write the gathered pieces (row r: group rank r's) into each parameter's
+        unsharded data, as rows of this layout. The group's size divides the shard size, so
+        this padded layout is no longer than the full one: k * ceil(n / k) <= W * ceil(n / W)
+        when k divides W."""
+        targets = [
+            layout.rank_rows(p.unsharded_buffer.data)
+            for p, layout in zip(self._params, self._layouts)
+        ]
+        if all_dim0 and not self.as_bytes:
+            torch.split_with_sizes_copy(gathered, self.sizes, dim=1, out=targets)
+            return
+        for target, layout, piece in zip(targets, self._layouts, gathered.split(self.sizes, dim=1)):
+            if not target.numel():
+                continue  # an empty parameter: nothing to write (nor to view as its dtype)
+            if self.as_bytes:
+                piece = piece[:, : layout.padded_shard_numel * target.element_size()]
+                piece = piece.view(target.dtype)
+            target.copy_(piece.view(target.shape))

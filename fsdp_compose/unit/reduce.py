@@ -1,0 +1,251 @@
+"""Reducing a unit's gradients: one reduce-scatter of every unsharded gradient (and, for
+HSDP, one all-reduce across replicas), into the unit's gradient ledger."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch.distributed import ProcessGroup, Work
+
+from ..comm import observer as _observer
+from ..comm.buffer import ReusedBuffer
+from ..comm.collectives import (
+    CustomComm,
+    GradReduction,
+    all_reduce,
+    allocate,
+    collective_failed,
+    grad_reduction,
+    reduce_scatter,
+)
+from ..param.sharded_param import ShardedParam
+from .layout import BufferSpec, DtypeFacts, dtype_facts
+
+if TYPE_CHECKING:  # the part owns its reducer
+    from .part import MeshPart
+
+
+class _Reduction(NamedTuple):
+    """A reduce-scatter in flight: its buffers (kept alive until it is done), and whose
+    gradient shards its output holds."""
+
+    work: Work | torch.Event | None
+    input: torch.Tensor
+    output: torch.Tensor
+    params: list[ShardedParam]
+    sizes: list[int]  # each parameter's padded shard
+    reduction: GradReduction
+    # HSDP: whether the output holds final shards (False: partial sums kept without an
+    # all-reduce), when _combine_replicas ran already: on side streams, right after the
+    # reduce-scatter. None on the CPU, where it runs once the reduce-scatter is waited for.
+    final: bool | None
+
+
+class Reducer:
+    """Averages a part's gradients over its mesh. Its settings are FSDPModule's setters'."""
+
+    def __init__(self, part: MeshPart) -> None:
+        self._part = part
+        self.params = part.params
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self.requires_all_reduce = True
+        self.reduce_scatter_unused_params = False
+        # Run on each reduced gradient buffer before the final division (set_all_reduce_hook).
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.group: ProcessGroup = part.mesh.shard_group  # or a separate one (a setter)
+        self.custom_reduce_scatter: CustomComm | None = None
+        # How gradients are averaged, for the dtypes it was made for: see _grad_reduction.
+        self._reduction: tuple[GradReduction, torch.dtype] | None = None
+        self._buffer = ReusedBuffer()  # the reduce-scatter's input, unless custom allocates
+        self._pending: _Reduction | None = None
+
+    def held_bytes(self) -> int:
+        """Bytes held beyond the shards: the reduce-scatter's input and output in flight."""
+        pending = self._pending
+        output = 0 if pending is None else pending.output.nbytes
+        return self._buffer.nbytes() + output
+
+    def set_reduction(self, divide_factor: float | None, force_sum: bool) -> None:
+        """Divide summed gradients by `divide_factor` (None: the number of data-parallel
+        ranks); with `force_sum`, reduce with a plain SUM and divide afterwards."""
+        self.gradient_divide_factor, self.force_sum_reduction = divide_factor, force_sum
+        self._reduction = None
+
+    def reduce_grads(self) -> bool:
+        """Start averaging the unsharded gradients over the mesh; `finish_reduction` puts
+        them into the ledger. Returns whether there was anything to reduce.
+
+        Only parameters that received a gradient take part (all that require one with
+        `reduce_scatter_unused_params`), so frozen and unused ones keep `.grad is None` as
+        in single-process training; which ones did must agree across ranks, as it does
+        whenever every rank runs the same code path.
+        """
+        if self._pending is not None:
+            self.finish_reduction()  # this unit's reduction of an earlier part of the backward
+        part, layout = self._part, self._part.layout
+        if (observer := _observer.current) is not None:
+            observer.begin(part, _observer.ISSUE_REDUCE)
+        params, grads = self._grads_to_reduce()
+        if not params:
+            if observer is not None:
+                observer.end(part, _observer.ISSUE_REDUCE)
+            return False
+        dtypes = dtype_facts(self.params) if layout is None else layout.dtypes
+        spec: BufferSpec
+        if len(params) == len(self.params) and layout is not None:
+            sizes, spec = part.sizes, layout.reduce_spec
+            numel = spec[0][1]
+        else:
+            sizes = [p.layout.padded_shard_numel for p in params]
+            numel = sum(sizes)
+            spec = ((part.mesh.shard_size, numel), dtypes.reduce_dtype, part.device)
+        custom = self.custom_reduce_scatter
+        if custom is None:  # row r: what rank r keeps, param after param
+            rows = self._buffer.take(spec)
+            flat = self._buffer.flat
+        else:
+            rows = allocate(custom, *spec)
+            flat = rows.view(-1)
+        if dtypes.mixed_dtypes:  # one dtype in: _chunk_cat needs it
+            grads = [g.to(spec[1]) for g in grads]
+        if not part.all_dim0:  # each rank's slice on the shard dim first: see ShardLayout
+            grads = [p.layout.rank_first(g) for p, g in zip(params, grads)]
+        # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
+        # pads them to the shard layout and casts to reduce_dtype. Private: docs/design.md.
+        torch._chunk_cat(grads, dim=0, num_chunks=part.mesh.shard_size, out=rows)
+        reduction = self._grad_reduction(dtypes)
+        side = part.streams
+        final = None
+        work: Work | torch.Event | None
+        if side is None:
+            reduced, work = self._reduce_scatter(flat, numel, reduction, dtypes, async_op=True)
+        else:
+            with side.reducing():
+                reduced, _ = self._reduce_scatter(flat, numel, reduction, dtypes, async_op=False)
+                if part.mesh.replicate_group is not None:  # on this stream: overlaps compute
+                    final = self._combine_replicas(params, sizes, reduced, reduction)
+                work = side.reduced()
+        self._pending = _Reduction(work, rows, reduced, params, sizes, reduction, final)
+        if observer is not None:
+            observer.end(part, _observer.ISSUE_REDUCE, rows.nbytes)
+        return True
+
+    def _grad_reduction(self, dtypes: DtypeFacts) -> GradReduction:
+        """How this part's gradients are averaged, kept until its settings or its reduce
+        dtype change: cheaper than the cached function's key, at every reduction."""
+        if self._reduction is None or self._reduction[1] is not dtypes.reduce_dtype:
+            mesh = self._part.mesh
+            reduction = grad_reduction(
+                mesh.shard_size, mesh.replicate_size, dtypes.reduce_dtype,
+                self.gradient_divide_factor, self.force_sum_reduction,
+            )
+            self._reduction = reduction, dtypes.reduce_dtype
+        return self._reduction[0]
+
+    def _grads_to_reduce(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
+        """The parameters that take part in a reduction, and their unsharded gradients."""
+        ledger = self._part.grads
+        params, grads = [], []
+        for p in self.params:
+            if (grad := ledger.take_unsharded(p)) is None:
+                if not (
+                    ledger.has_partial(p)
+                    or (self.reduce_scatter_unused_params and p.sharded.requires_grad)
+                ):
+                    continue
+                grad = torch.zeros(p.layout.shape, dtype=p.param_dtype, device=self._part.device)
+            params.append(p)
+            grads.append(grad)
+        return params, grads
+
+    def _reduce_scatter(
+        self, flat: torch.Tensor, numel: int, reduction: GradReduction, dtypes: DtypeFacts,
+        async_op: bool,
+    ) -> tuple[torch.Tensor, Work | None]:
+        """Reduce-scatter `flat` (row r: rank r's `numel` values) into a new tensor."""
+        part, custom = self._part, self.custom_reduce_scatter
+        shard_size = part.mesh.shard_size
+        if custom is None:
+            reduced = flat.new_empty(numel)  # cheaper than torch.empty with dtype and device
+        else:
+            reduced = allocate(custom, (numel,), flat.dtype, flat.device)
+        output, input = reduced, flat
+        if dtypes.is_complex:  # sent as real pairs, as torch.distributed sends them
+            output, input = torch.view_as_real(reduced), torch.view_as_real(flat)
+        try:
+            work = reduce_scatter(
+                output, input, self.group, shard_size, reduction, custom, async_op=async_op,
+            )
+        except RuntimeError as error:
+            raise collective_failed(part.label, "reduce-scatter", shard_size, error) from error
+        return reduced, work
+
+    def finish_reduction(self) -> None:
+        """Wait for the reduction `reduce_grads` started (on the CPU, all-reduce across
+        HSDP replicas after it), run the all-reduce hook, divide, and hold each parameter's
+        shard in the ledger until the backward finishes."""
+        if (pending := self._pending) is None:
+            return
+        self._pending = None
+        if (observer := _observer.current) is not None:
+            observer.begin(self._part, _observer.WAIT_REDUCE)
+        self._finish(pending)
+        if observer is not None:
+            observer.end(self._part, _observer.WAIT_REDUCE)
+
+    def _finish(self, pending: _Reduction) -> None:
+        part = self._part
+        if pending.work is not None:
+            try:
+                pending.work.wait()
+            except RuntimeError as error:
+                raise collective_failed(
+                    part.label, "reduce-scatter", part.mesh.shard_size, error
+                ) from error
+        self._buffer.release()
+        reduced, reduction = pending.output, pending.reduction
+        if part.mesh.replicate_group is not None:
+            final = pending.final
+            if final is None:
+                final = self._combine_replicas(pending.params, pending.sizes, reduced, reduction)
+            if not final:
+                return
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(reduced)
+        if reduction.post_divide is not None:
+            reduced.div_(reduction.post_divide)
+        part.grads.hold(pending.params, pending.sizes, reduced)
+
+    def _combine_replicas(
+        self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor,
+        reduction: GradReduction,
+    ) -> bool:
+        """HSDP: add each parameter's partial sum from earlier reductions to its reduced
+        shard and all-reduce across replicas, or, without all-reduce, keep the shards as
+        partial sums. Returns whether `reduced` holds final shards."""
+        mesh, ledger = self._part.mesh, self._part.grads
+        shards = list(zip(params, torch.split_with_sizes(reduced, sizes)))
+        for p, shard in shards:
+            if (partial := ledger.take_partial(p)) is not None:
+                shard.add_(partial)
+        if not self.requires_all_reduce:
+            ledger.keep_partial(shards)
+            return False
+        assert mesh.replicate_group is not None
+        try:
+            all_reduce(reduced, reduction.all_reduce_op, mesh.replicate_group)
+        except RuntimeError as error:
+            raise collective_failed(self._part.label, "all-reduce", mesh.replicate_size, error) from error
+        ledger.spend_partial(p for p, _ in shards)
+        return True
+
+    def discard(self) -> None:
+        """Drop a reduction in flight (its backward did not finish)."""
+        if (pending := self._pending) is not None:
+            self._pending = None
+            if pending.work is not None:
+                pending.work.wait()  # the backend may still write into its buffers
+            self._buffer.release()
