@@ -10,7 +10,7 @@ the end-of-backward callback) is the root's: see root.py.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -99,15 +99,13 @@ class UnitState:
     def is_root(self) -> bool:
         return self.initialised and self.root.state is self
 
-    def _go_to(self, phase: Phase) -> None:
-        """Move to `phase`, or raise: a hook ran out of order (e.g. forward run again
-        inside a forward of the same unit, or a backward hook without a forward)."""
-        if phase not in self.phase.next:
-            raise RuntimeError(
-                f"fsdp_compose: unit {self.label} on rank {self.unit.mesh.get_rank()} cannot go "
-                f"from {self.phase.name} to {phase.name}: its hooks ran out of order."
-            )
-        self.phase = phase
+    def _refuse(self, phase: Phase) -> NoReturn:
+        """A hook ran out of order (e.g. forward run again inside a forward of the same
+        unit, or a backward hook without a forward): the move to `phase` is not allowed."""
+        raise RuntimeError(
+            f"fsdp_compose: unit {self.label} on rank {self.unit.mesh.get_rank()} cannot go "
+            f"from {self.phase.name} to {phase.name}: its hooks ran out of order."
+        )
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -134,7 +132,9 @@ class UnitState:
                 root.begin_forward(self)
             self.prefetch.forward_index = len(root.forward_order)
             root.forward_order.append(self)
-        self._go_to(FORWARD)
+        if FORWARD not in self.phase.next:
+            self._refuse(FORWARD)
+        self.phase = FORWARD
         self.unit.unshard()  # also finishes a prefetch's gather
         if self.borrowed_from:
             self._unshard_lenders()
@@ -210,7 +210,9 @@ class UnitState:
                 self.phase = IDLE
 
     def _finish_forward(self) -> None:
-        self._go_to(IDLE)
+        if IDLE not in self.phase.next:
+            self._refuse(IDLE)
+        self.phase = IDLE
         root = self.root
         before = root.last_post_forward
         self.prefetch.ended_forward_before = () if before is None else (before,)
@@ -236,7 +238,9 @@ class UnitState:
 
     def _pre_backward(self, grad: Any) -> None:
         if self.phase is not PRE_BACKWARD:
-            self._go_to(PRE_BACKWARD)
+            if PRE_BACKWARD not in self.phase.next:
+                self._refuse(PRE_BACKWARD)
+            self.phase = PRE_BACKWARD
             self.backward_end.begin()
             if not self.root.final_callback_queued:
                 self.root.queue_final_callback()

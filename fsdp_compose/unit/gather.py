@@ -3,6 +3,7 @@ parameters, and back (reshard), over the memory layout of unit/layout.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -210,7 +211,7 @@ class Gatherer:
         elif gather.encoded:
             built = decode_rows(gather.gathered, gather.sizes, self.params, part.codecs, targets)
             if built and part.layout is layout:  # a hook built an unsharded parameter
-                part.layout = layout._replace(registrations=forms_by_owner(
+                part.layout = dataclasses.replace(layout, registrations=forms_by_owner(
                     r for p in self.params for r in p.registrations()
                 ))
         elif part.all_dim0:

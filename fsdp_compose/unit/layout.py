@@ -6,9 +6,10 @@ built anew when the parameters change (a dtype, a shard, all-gather hooks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +25,8 @@ OwnerForms = tuple[dict[str, Any], dict[str, nn.Parameter], dict[str, nn.Paramet
 BufferSpec = tuple[tuple[int, int], torch.dtype, torch.device]
 
 
-class DtypeFacts(NamedTuple):
+@dataclasses.dataclass(frozen=True, slots=True)
+class DtypeFacts:
     """What the parameters' dtypes make of a part's collectives."""
 
     param_dtype: torch.dtype  # what the first parameter gathers and computes in
@@ -33,7 +35,8 @@ class DtypeFacts(NamedTuple):
     mixed_dtypes: bool  # the parameters gather in different dtypes: sent as bytes
 
 
-class Layout(NamedTuple):
+@dataclasses.dataclass(frozen=True, slots=True)  # slots: read at every gather and reduction
+class Layout:
     """One part's parameters laid out (see the module docstring). Immutable: a change to
     the parameters builds a new one."""
 

@@ -42,11 +42,17 @@ class Unit:
 
     @property
     def is_unsharded(self) -> bool:
-        return all(part.gatherer.is_unsharded for part in self.parts)
+        for part in self.parts:
+            if not part.gatherer.is_unsharded:
+                return False
+        return True
 
     @property
     def gather_in_flight(self) -> bool:
-        return any(part.gatherer.in_flight for part in self.parts)
+        for part in self.parts:
+            if part.gatherer.in_flight:
+                return True
+        return False
 
     def unshard(self, async_op: bool = False) -> None:
         for part in self.parts:
@@ -64,15 +70,20 @@ class Unit:
 
     def reduce_grads(self) -> bool:
         """Start every part's reduction, in order; whether any had gradients."""
-        started = [part.reducer.reduce_grads() for part in self.parts]
-        return any(started)
+        started = False
+        for part in self.parts:
+            started = part.reducer.reduce_grads() or started
+        return started
 
     def finish_reduction(self) -> None:
         for part in self.parts:
             part.reducer.finish_reduction()
 
     def has_unsharded_grads(self) -> bool:
-        return any(part.grads.has_unsharded_grads() for part in self.parts)
+        for part in self.parts:
+            if part.grads.has_unsharded_grads():
+                return True
+        return False
 
     def held_bytes(self) -> int:
         return sum(part.held_bytes() for part in self.parts)
