@@ -56,14 +56,16 @@ def _look(module: nn.Module, args: Any) -> None:
     if not any(is_annotated(m) for m in inside):
         return
     names = [
-        fqn for fqn, p in module.named_parameters() if p.requires_grad and not hasattr(p, _ACCOUNTED_MARK)
+        fqn for fqn, p in module.named_parameters()
+        if p.requires_grad and not hasattr(p, _ACCOUNTED_MARK)
     ]
     if names:
         warnings.warn(
             f"fsdp_compose: {type(module).__name__} holds fully_shard units but is not one, and "
             f"its parameters {names} are in no unit: each rank trains them apart, "
             "unsynchronised, and they drift. Annotate it too, after its blocks "
-            f"(fully_shard(model)), or pass them in ignored_params; to keep them apart on "
-            "purpose, filter fsdp_compose.UnmanagedParametersWarning.",
+            "(fully_shard(model); its ignored_params stay whole but are then yours to "
+            "synchronise); to keep them apart on purpose, filter "
+            "fsdp_compose.UnmanagedParametersWarning.",
             UnmanagedParametersWarning, stacklevel=2,
         )
