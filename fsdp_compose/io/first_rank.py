@@ -38,13 +38,17 @@ def _portable(error: Exception | None) -> Exception | None:
     pickles, else a RuntimeError with its class and message (its class may not unpickle)."""
     if error is None:
         return None
-    if type(error).__module__ == "builtins":
-        try:
-            pickle.loads(pickle.dumps(error))
-            return error
-        except Exception:
-            pass
+    if type(error).__module__ == "builtins" and _pickles(error):
+        return error
     return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _pickles(error: Exception) -> bool:
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # any failure to round-trip: send its class and message instead
+        return False
+    return True
 
 
 def file_error(what: str, error: OSError) -> OSError:
