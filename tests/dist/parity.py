@@ -150,6 +150,19 @@ def max_diff_to(model: nn.Module, other: nn.Module, grads: bool = False) -> floa
     return max((max_diff(a, b) for _, a, b in whole_pairs(model, other, grads)), default=0.0)
 
 
+def spmd_diffs(
+    ours: nn.Module, theirs: nn.Module, ref: nn.Module, grads: bool = False
+) -> tuple[float, float]:
+    """The largest difference of `ours`' DTensor parameters (with `grads`, gradients), whole,
+    to `theirs`' and to the plain `ref`'s, parameter by parameter in order."""
+    vs_torch = vs_ref = 0.0
+    for p, q, r in zip(ours.parameters(), theirs.parameters(), ref.parameters()):
+        a, b, c = (p.grad, q.grad, r.grad) if grads else (p, q, r)
+        vs_torch = max(vs_torch, max_diff(a.full_tensor(), b.full_tensor()))
+        vs_ref = max(vs_ref, max_diff(a.full_tensor(), c))
+    return vs_torch, vs_ref
+
+
 def train_and_compare(
     make_model: Callable[[], nn.Module],
     loss_fn: LossFn,

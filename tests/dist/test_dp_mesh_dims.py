@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp_compose import DataParallelMeshDims, clip_grad_norm_, fully_shard
-from tests.dist.parity import full, max_diff
+from tests.dist.parity import full, max_diff, spmd_diffs
 
 try:
     from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
@@ -104,9 +104,7 @@ def check_trains_like_torch(setup: str) -> dict[str, object]:
             losses.append(F.mse_loss(out, target.chunk(shares)[share]))
             losses[-1].backward()
         vs_torch = max(vs_torch, max_diff(*losses))
-        for (fqn, p), q, r in zip(ours.named_parameters(), theirs.parameters(), ref.parameters()):
-            vs_torch = max(vs_torch, max_diff(p.grad.full_tensor(), q.grad.full_tensor()))
-            vs_ref = max(vs_ref, max_diff(p.grad.full_tensor(), r.grad))
+        grads = spmd_diffs(ours, theirs, ref, grads=True)
         # The norm across the 2-D placements sums in another order than torch's (an ulp
         # apart); max_norm above it keeps the step exact.
         norms = [clip_grad_norm_(ours.parameters(), 1e3), nn.utils.clip_grad_norm_(theirs.parameters(), 1e3)]
@@ -114,9 +112,9 @@ def check_trains_like_torch(setup: str) -> dict[str, object]:
         for optim in optims:
             optim.step()
             optim.zero_grad()
-        for p, q, r in zip(ours.parameters(), theirs.parameters(), ref.parameters()):
-            vs_torch = max(vs_torch, max_diff(p.full_tensor(), q.full_tensor()))
-            vs_ref = max(vs_ref, max_diff(p.full_tensor(), r))
+        params = spmd_diffs(ours, theirs, ref)
+        vs_torch = max(vs_torch, grads[0], params[0])
+        vs_ref = max(vs_ref, grads[1], params[1])
     return {"vs_torch": vs_torch, "vs_ref": vs_ref, "norm_diff": norm_diff, "placements": placements}
 
 

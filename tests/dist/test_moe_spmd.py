@@ -25,7 +25,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from fsdp_compose import DataParallelMeshDims, fully_shard
-from tests.dist.parity import max_diff
+from tests.dist.parity import max_diff, spmd_diffs
 
 try:  # the setup is built with torch's own DataParallelMeshDims and ShardPlacementResult
     from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
@@ -200,15 +200,13 @@ def check_moe_trains_like_torch(ep: int, expert_dim: int, replicas: int) -> dict
             losses.append(F.mse_loss(out, target.chunk(world)[rank]))
             losses[-1].backward()
         vs_torch = max(vs_torch, max_diff(*losses))
-        for p, q, r in zip(ours.parameters(), theirs.parameters(), ref.parameters()):
-            vs_torch = max(vs_torch, max_diff(p.grad.full_tensor(), q.grad.full_tensor()))
-            vs_ref = max(vs_ref, max_diff(p.grad.full_tensor(), r.grad))
+        grads = spmd_diffs(ours, theirs, ref, grads=True)
         for optim in optims:
             optim.step()
             optim.zero_grad()
-        for p, q, r in zip(ours.parameters(), theirs.parameters(), ref.parameters()):
-            vs_torch = max(vs_torch, max_diff(p.full_tensor(), q.full_tensor()))
-            vs_ref = max(vs_ref, max_diff(p.full_tensor(), r))
+        params = spmd_diffs(ours, theirs, ref)
+        vs_torch = max(vs_torch, grads[0], params[0])
+        vs_ref = max(vs_ref, grads[1], params[1])
     return {"vs_torch": vs_torch, "vs_ref": vs_ref, "placements": placements}
 
 
