@@ -398,3 +398,28 @@ def check_hooks_attached_to_a_subclass_after_fully_shard() -> tuple[list[float],
 def test_hooks_attached_to_a_subclass_after_fully_shard(ranks):
     for ours, theirs, ran in ranks.run(check_hooks_attached_to_a_subclass_after_fully_shard):
         assert ours == theirs and ran > 0
+
+
+# -- hooks out of order ------------------------------------------------------------------------
+
+
+def check_hooks_out_of_order_raise() -> str:
+    """A forward that starts while the unit is in its backward (here: the phase set by hand,
+    as a hook running out of order would leave it) raises, naming the move; under python -O
+    too (a raise, not an assert)."""
+    from fsdp_compose.schedule.phase import PRE_BACKWARD
+
+    torch.manual_seed(0)
+    model = MLP()
+    per_block(model, fully_shard)
+    mse_loss(model, feature_batch(0, 2)).backward()
+    model.layers[0]._state().phase = PRE_BACKWARD
+    return messages_of(lambda: model(feature_batch(1, 2)))[1]
+
+
+def test_hooks_out_of_order_raise(ranks):
+    message = ranks.run(check_hooks_out_of_order_raise, world_size=1)[0]
+    assert message == (
+        "fsdp_compose: unit layers.0 on rank 0 cannot go from PRE_BACKWARD to FORWARD: its "
+        "hooks ran out of order."
+    )
