@@ -2,8 +2,8 @@
 both settings: mixed dtypes and tensor parallelism with reshard_after_forward=<int>, a
 post-forward group on a dim of a larger mesh, sync_module_states with tensor parallelism,
 set_post_optim_event off the root, a registered forward method that raises, meta
-parameters whose peers never run forward, a root left unannotated, and all-gather hooks
-attached to a tensor subclass after fully_shard."""
+parameters whose peers never run forward, a root left unannotated, all-gather hooks
+attached to a tensor subclass after fully_shard, and hooks run out of order."""
 
 from __future__ import annotations
 
