@@ -64,8 +64,7 @@ class Gatherer:
 
     def held_bytes(self) -> int:
         """Bytes held beyond the shards: unsharded data and the all-gather buffer."""
-        layout = self._part.layout
-        storages = () if layout is None else layout.storages
+        storages = () if self._allocated is None else self._allocated.storages
         return sum(storage.nbytes() for storage, _ in storages) + self._buffer.nbytes()
 
     @property

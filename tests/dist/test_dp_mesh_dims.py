@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp_compose import DataParallelMeshDims, clip_grad_norm_, fully_shard
-from tests.dist.parity import full, max_diff, spmd_diffs
+from tests.dist.parity import full, max_diff, optimizer_step, spmd_diffs
 
 try:
     from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
@@ -109,9 +109,7 @@ def check_trains_like_torch(setup: str) -> dict[str, object]:
         # apart); max_norm above it keeps the step exact.
         norms = [clip_grad_norm_(ours.parameters(), 1e3), nn.utils.clip_grad_norm_(theirs.parameters(), 1e3)]
         norm_diff = max(norm_diff, abs(full(norms[0]).item() / full(norms[1]).item() - 1))
-        for optim in optims:
-            optim.step()
-            optim.zero_grad()
+        optimizer_step(optims)
         params = spmd_diffs(ours, theirs, ref)
         vs_torch = max(vs_torch, grads[0], params[0])
         vs_ref = max(vs_ref, grads[1], params[1])

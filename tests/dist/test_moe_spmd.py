@@ -24,8 +24,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from fsdp_compose import DataParallelMeshDims, fully_shard
-from tests.dist.parity import max_diff, spmd_diffs
+from fsdp_compose import DataParallelMeshDims, FSDPModule, fully_shard
+from tests.dist.parity import max_diff, optimizer_step, spmd_diffs
 
 try:  # the setup is built with torch's own DataParallelMeshDims and ShardPlacementResult
     from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
@@ -201,9 +201,7 @@ def check_moe_trains_like_torch(ep: int, expert_dim: int, replicas: int) -> dict
             losses[-1].backward()
         vs_torch = max(vs_torch, max_diff(*losses))
         grads = spmd_diffs(ours, theirs, ref, grads=True)
-        for optim in optims:
-            optim.step()
-            optim.zero_grad()
+        optimizer_step(optims)
         params = spmd_diffs(ours, theirs, ref)
         vs_torch = max(vs_torch, grads[0], params[0])
         vs_ref = max(vs_ref, grads[1], params[1])
@@ -252,3 +250,38 @@ def test_moe_checkpoint_loads_at_another_layout(ranks):
         errors = ranks.run(check_checkpoint_at_another_layout, world_size=4,
                            folder=os.path.join(folder, "ckpt"))
     assert errors == [0.0] * 4
+
+
+def check_mesh_infos_must_match_the_unit() -> list[tuple[str, str]]:
+    """A unit sharded with dp_mesh_dims whose shard_placement_fn hands a mesh info built
+    without them (or the other way round) is refused before anything changes."""
+    dense, sparse = spmd_meshes(2)
+    torch.manual_seed(0)
+    messages = []
+    for with_dims in (True, False):
+        model = on_meshes(MoEModel(depth=1), dense, sparse)
+        layer = model.layers[0]
+        experts = set(layer.routed_experts.parameters())
+        plain = _get_mesh_info(sparse["efsdp"])
+        spmd = _get_mesh_info(sparse, TorchDataParallelMeshDims(shard="efsdp"))
+        info = plain if with_dims else spmd
+
+        def placement(param, experts=experts, info=info):
+            return ShardPlacementResult(Shard(0), info) if param in experts else None
+
+        kwargs = {"dp_mesh_dims": DataParallelMeshDims(shard="dp_shard")} if with_dims else {}
+        try:
+            fully_shard(layer, mesh=dense if with_dims else dense["dp_shard"],
+                        shard_placement_fn=placement, **kwargs)
+        except ValueError as error:
+            messages.append(("ValueError", str(error)))
+        assert not isinstance(layer, FSDPModule)  # untouched
+    return messages
+
+
+def test_mesh_infos_must_match_the_unit(ranks):
+    results = ranks.run(check_mesh_infos_must_match_the_unit, world_size=2)
+    assert results[0] == results[1] and len(results[0]) == 2  # every rank alike
+    with_dims, without = (message for _, message in results[0])
+    assert "mesh_info has no dp_mesh_dims, while the unit is sharded with dp_mesh_dims" in with_dims
+    assert "mesh_info has dp_mesh_dims, while the unit is sharded with a plain data-parallel mesh" in without
