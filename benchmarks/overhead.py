@@ -63,9 +63,11 @@ def step_seconds(model: nn.Module, x: torch.Tensor, steps: int) -> float:
 
 class CollectiveClock:
     """While installed, the seconds and calls spent inside the process group's all-gathers
-    and reduce-scatters (both runtimes call these two methods, one per unit and pass)."""
+    and reduce-scatters (the runtimes call one of these per unit and pass; fsdp_compose
+    gathers in place with the coalesced one: see unit/layout.py's InPlaceGather)."""
 
-    _METHODS = (ALL_GATHER_METHOD, REDUCE_SCATTER_METHOD)  # their names on this torch
+    # Their names on this torch.
+    _METHODS = (ALL_GATHER_METHOD, "allgather_into_tensor_coalesced", REDUCE_SCATTER_METHOD)
 
     def __init__(self) -> None:
         self.seconds, self.calls = 0.0, 0

@@ -17,6 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from .collectives import gathers_in_place
+
 T = TypeVar("T")
 
 
@@ -76,6 +78,7 @@ class UnitMesh(NamedTuple):
     reshard_after_forward: bool | None
     post_forward_mesh: DeviceMesh | None
     spmd: SpmdDims | None = None  # with dp_mesh_dims: the full mesh; `mesh` is its dp part
+    gathers_in_place: bool = False  # see collectives.gathers_in_place
 
 
 def unit_mesh(
@@ -87,10 +90,11 @@ def unit_mesh(
         return unit_mesh(dp_mesh, reshard_after_forward)._replace(spmd=spmd)
     hsdp = mesh.ndim == 2
     reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh)
+    device, shard_group = mesh_device(mesh), mesh.get_group(mesh.ndim - 1)
     return UnitMesh(
         mesh=mesh,
-        device=mesh_device(mesh),
-        shard_group=mesh.get_group(mesh.ndim - 1),
+        device=device,
+        shard_group=shard_group,
         shard_size=mesh.size(mesh.ndim - 1),  # not size(-1): Note [mesh dims] in compat.py
         shard_rank=mesh.get_local_rank(mesh.ndim - 1),
         replicate_group=mesh.get_group(0) if hsdp else None,
@@ -98,6 +102,7 @@ def unit_mesh(
         placements=(Replicate(),) * (mesh.ndim - 1) + (Shard(0),),
         reshard_after_forward=reshard,
         post_forward_mesh=post_forward,
+        gathers_in_place=gathers_in_place(shard_group, device),
     )
 
 

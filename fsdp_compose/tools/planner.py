@@ -240,9 +240,15 @@ class _CollectiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func._schema.name
         if func.namespace == "c10d" and ("allgather" in name or "reduce_scatter" in name):
-            tensors = [t for t in args[:2] if isinstance(t, torch.Tensor)]
-            self.nbytes += max((t.numel() * t.element_size() for t in tensors), default=0)
+            # The larger side of (output, input): lists of tensors when coalesced.
+            self.nbytes += max(_nbytes(t) for t in args[:2])
         return func(*args, **(kwargs or {}))
+
+
+def _nbytes(tensors: torch.Tensor | list[torch.Tensor]) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(_nbytes(t) for t in tensors)
 
 
 def _simulate(

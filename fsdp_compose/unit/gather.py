@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import observer as _observer
 from ..comm.buffer import ReusedBuffer
-from ..comm.collectives import all_gather, allocate, collective_failed
+from ..comm.collectives import all_gather, all_gather_each, allocate, collective_failed
 from .codec import decode_rows, encode_shards
 from .layout import Layout, forms_by_owner
 from .post_forward import PostForwardShards
@@ -24,14 +24,14 @@ if TYPE_CHECKING:  # the part owns its gatherer
 class _Gather(NamedTuple):
     """An all-gather in flight: its result (row r: rank r's shards) and how to copy it out."""
 
-    gathered: torch.Tensor  # (rows, columns)
+    gathered: torch.Tensor | None  # (rows, columns); None: in place (see InPlaceGather)
     work: Work | torch.Event | None  # wait(): gloo blocks; an event orders the compute stream
     rows: int  # ranks gathered from
     sizes: list[int]  # each parameter's padded shard, per row (bytes if encoded)
-    from_post_forward: bool
     encoded: bool  # uint8 rows of codec encodings; see encode_shards
     inputs: list[torch.Tensor] | None  # kept until waited for; see comm/streams.py
     layout: Layout  # the part's when it started: where the rows land
+    from_post_forward: bool = False
 
 
 class Gatherer:
@@ -83,20 +83,25 @@ class Gatherer:
         part = self._part
         side = part.streams
         post_forward = self._post_forward
+        in_place = None
         if post_forward is not None and post_forward.is_kept:  # inside the smaller group
             group, sizes, inputs = post_forward.group, post_forward.sizes, post_forward.take()
             rows = group.size()
             written_on_compute = True
         else:
             written_on_compute = part.layout is None
-            if written_on_compute:
-                part.lay_out()
-            if part.layout is not None and part.layout.zero_copy:
+            layout = part.lay_out() if written_on_compute else part.layout
+            if layout is not None and layout.zero_copy:
                 self._register_unsharded()  # the shards are the unsharded data
                 return
+            if layout is not None and layout.in_place is not None and side is None \
+                    and part.custom_all_gather is None:  # side streams: see comm/streams.py
+                in_place = layout
             mesh = part.mesh
             group, rows, sizes, inputs = mesh.shard_group, mesh.shard_size, part.sizes, None
-        if side is None:
+        if in_place is not None:
+            self._pending = self._start_in_place(in_place, async_op)
+        elif side is None:
             self._pending = self._start(group, rows, sizes, inputs, async_op)
         else:
             if written_on_compute:
@@ -144,7 +149,33 @@ class Gatherer:
             raise collective_failed(part.label, "all-gather", rows, error) from error
         if observer is not None:
             observer.end(part, _observer.ISSUE_GATHER, gathered.nbytes)
-        return _Gather(gathered, work, rows, sizes, inputs is not None, encoded, inputs, layout)
+        return _Gather(gathered, work, rows, sizes, encoded, inputs, layout, inputs is not None)
+
+    def _start_in_place(self, layout: Layout, async_op: bool) -> _Gather:
+        """Issue the all-gathers straight into the unsharded data (see InPlaceGather)."""
+        part, in_place = self._part, layout.in_place
+        assert in_place is not None, "checked by unshard"
+        if (observer := _observer.current) is not None:
+            observer.begin(part, _observer.ISSUE_GATHER)
+        self._allocate(layout)
+        shards = in_place.shards
+        if layout.flat_needs_cast:  # kept referenced until waited for: gloo reads it then
+            shards = list(torch.split_with_sizes(self._flat_shard(layout), part.sizes))
+        mesh = part.mesh
+        try:
+            work = all_gather_each(in_place.outputs, shards, mesh.shard_group, async_op)
+        except RuntimeError as error:
+            raise collective_failed(part.label, "all-gather", mesh.shard_size, error) from error
+        if observer is not None:
+            observer.end(part, _observer.ISSUE_GATHER, sum(o.nbytes for o in in_place.outputs))
+        return _Gather(None, work, mesh.shard_size, part.sizes, False, shards, layout)
+
+    def _allocate(self, layout: Layout) -> None:
+        """Give `layout`'s unsharded storages their bytes, unless they hold them already."""
+        if self._allocated is not layout:  # resize_ reallocates even to the same size
+            for storage, nbytes in layout.storages:
+                storage.resize_(nbytes)
+            self._allocated = layout
 
     def _check_extended(self) -> None:
         layout = self._part.layout
@@ -180,14 +211,14 @@ class Gatherer:
             except RuntimeError as error:
                 raise collective_failed(part.label, "all-gather", gather.rows, error) from error
         layout = gather.layout
-        if self._allocated is not layout:  # resize_ reallocates even to the same size
-            for storage, nbytes in layout.storages:
-                storage.resize_(nbytes)
-            self._allocated = layout
-        self._copy_out(gather, layout)
-        self._buffer.release()
-        if part.streams is not None:
-            part.streams.copied_out()
+        if gather.gathered is None:  # gathered in place, into storages allocated at its start
+            self._allocated = layout  # (even if the part was laid out anew since)
+        else:
+            self._allocate(layout)
+            self._copy_out(gather, gather.gathered, layout)
+            self._buffer.release()
+            if part.streams is not None:
+                part.streams.copied_out()
         self._register_unsharded()
         if observer is not None:
             observer.end(part, _observer.WAIT_GATHER)
@@ -201,22 +232,22 @@ class Gatherer:
                 p.to_unsharded()
         self.is_unsharded = True
 
-    def _copy_out(self, gather: _Gather, layout: Layout) -> None:
+    def _copy_out(self, gather: _Gather, gathered: torch.Tensor, layout: Layout) -> None:
         """Write the gathered rows into each parameter's unsharded data."""
         part, targets = self._part, layout.targets
         if gather.from_post_forward:
             assert self._post_forward is not None
-            self._post_forward.copy_out(gather.gathered, part.all_dim0)
+            self._post_forward.copy_out(gathered, part.all_dim0)
         elif gather.encoded:
-            built = decode_rows(gather.gathered, gather.sizes, self.params, part.codecs, targets)
+            built = decode_rows(gathered, gather.sizes, self.params, part.codecs, targets)
             if built and part.layout is layout:  # a hook built an unsharded parameter
                 part.layout = dataclasses.replace(layout, registrations=forms_by_owner(
                     r for p in self.params for r in p.registrations()
                 ))
         elif part.all_dim0:
-            torch.split_with_sizes_copy(gather.gathered, gather.sizes, dim=1, out=targets)
+            torch.split_with_sizes_copy(gathered, gather.sizes, dim=1, out=targets)
         else:  # some parameter is sharded on another dim: its target is strided
-            for target, piece in zip(targets, torch.split(gather.gathered, gather.sizes, dim=1)):
+            for target, piece in zip(targets, torch.split(gathered, gather.sizes, dim=1)):
                 target.copy_(piece.view(target.shape))
 
     def reshard(self, keep_post_forward: bool = False) -> None:

@@ -35,6 +35,16 @@ class DtypeFacts:
     mixed_dtypes: bool  # the parameters gather in different dtypes: sent as bytes
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class InPlaceGather:
+    """Each parameter gathered straight into its own unsharded data (one all-gather per
+    parameter, all in one coalesced collective): nothing is copied out. Where the backend
+    coalesces and every parameter is sharded on dim 0 in one dtype (see in_place_gather)."""
+
+    outputs: list[torch.Tensor]  # each parameter's unsharded data, flat, padding last
+    shards: list[torch.Tensor]  # each parameter's padded shard: views of the flat shard
+
+
 @dataclasses.dataclass(frozen=True, slots=True)  # slots: read at every gather and reduction
 class Layout:
     """One part's parameters laid out (see the module docstring). Immutable: a change to
@@ -52,6 +62,7 @@ class Layout:
     # A group of one rank whose shards are already what computes (dtype, device, no codec,
     # no hooks): the unsharded parameters are views of the shards; nothing is gathered.
     zero_copy: bool
+    in_place: InPlaceGather | None
 
 
 def dtype_facts(params: list[ShardedParam]) -> DtypeFacts:
@@ -108,6 +119,25 @@ def lay_out(
         registrations=forms_by_owner(r for p in params for r in p.registrations()),
         extended=extended,
         zero_copy=zero_copy,
+        in_place=None if zero_copy else in_place_gather(params, mesh, flat, dtypes, has_codecs),
+    )
+
+
+def in_place_gather(
+    params: list[ShardedParam], mesh: UnitMesh, flat: torch.Tensor | None, dtypes: DtypeFacts,
+    has_codecs: bool,
+) -> InPlaceGather | None:
+    """Gather in place when the backend can (comm.collectives.gathers_in_place) and each
+    parameter's gathered rows, rank after rank, are its unsharded data: sharded on dim 0
+    (padding last), one dtype, sent as is (no codec, hooks or complex pairs). Else None:
+    one all-gather of the flat shard, copied out (docs/performance.md measures both)."""
+    if not (mesh.gathers_in_place and mesh.shard_size > 1) or flat is None or has_codecs:
+        return None
+    if dtypes.mixed_dtypes or dtypes.is_complex or any(p.layout.dim != 0 for p in params):
+        return None
+    return InPlaceGather(
+        outputs=[p.gather_target.view(-1) for p in params],
+        shards=[p.padded_shard for p in params],  # views of `flat`: see flat_shards
     )
 
 

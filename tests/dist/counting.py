@@ -13,6 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ALL_GATHER = "c10d::_allgather_base_"
 
 
+# fsdp_compose's in-place gathers: a unit's parameters, each into its own output, in one
+# collective (see unit/layout.py's InPlaceGather). Counted as the unit's one all-gather.
+ALL_GATHER_EACH = "c10d::allgather_into_tensor_coalesced_"
+
+
 REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
 
 
@@ -37,14 +42,24 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             name = func._schema.name
-            self.counts[name] += 1
-            if name in (ALL_GATHER, REDUCE_SCATTER):  # (output, input, group, ...)
-                self.bytes[name] += max(t.numel() * t.element_size() for t in args[:2])
-                self.group_sizes[name, _group_size(args[2])] += 1
+            if name == ALL_GATHER_EACH:  # (outputs, inputs, group, ...)
+                self._count(ALL_GATHER, sum(_nbytes(t) for t in args[0]), args[2])
+            elif name in (ALL_GATHER, REDUCE_SCATTER):  # (output, input, group, ...)
+                self._count(name, max(_nbytes(t) for t in args[:2]), args[2])
             elif name == ALL_REDUCE:  # (tensors, group, ...)
-                self.bytes[name] += sum(t.numel() * t.element_size() for t in args[0])
-                self.group_sizes[name, _group_size(args[1])] += 1
+                self._count(name, sum(_nbytes(t) for t in args[0]), args[1])
+            else:
+                self.counts[name] += 1
         return func(*args, **(kwargs or {}))
+
+    def _count(self, name: str, nbytes: int, group: object) -> None:
+        self.counts[name] += 1
+        self.bytes[name] += nbytes
+        self.group_sizes[name, _group_size(group)] += 1
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def first_forward(model: torch.nn.Module, *inputs: torch.Tensor) -> None:
@@ -71,6 +86,8 @@ class GatherOrder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func._schema.name == ALL_GATHER:
             self.sizes.append(all_gather(args[0].numel()))
+        elif func._schema.name == ALL_GATHER_EACH:
+            self.sizes.append(all_gather(sum(t.numel() for t in args[0])))
         elif func._schema.name == REDUCE_SCATTER and self.reduce_scatters:
             self.sizes.append(reduce_scatter(args[1].numel()))
         elif func._schema.name in ("aten::addmm", "aten::mm"):

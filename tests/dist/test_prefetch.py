@@ -20,8 +20,6 @@ from tests.dist.parity import Shard, per_block, train_and_compare
 from tests.models import MLP, feature_batch, mse_loss
 from tests.dist.counting import GatherOrder
 
-ALL_GATHER = "c10d::_allgather_base_"
-REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
 
 
 def with_prefetch(model: nn.Module, shard: Shard) -> None:

@@ -19,13 +19,10 @@ from tests.dist.parity import (
     assert_close_to, backward, make_mesh, max_diff_to, per_block, three_models,
     train_and_compare,
 )
-from tests.dist.counting import CollectiveCounter, first_forward
+from tests.dist.counting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveCounter, first_forward
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 from tests.dist.checks import check_hsdp_accumulation_without_all_reduce
 
-ALL_GATHER = "c10d::_allgather_base_"
-REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
-ALL_REDUCE = "c10d::allreduce_"
 
 
 def check_hsdp() -> list[tuple[float, float]]:
