@@ -8,11 +8,17 @@ from pathlib import Path
 from report_format import at_floor, command, duration, joined, kib, provenance, table
 
 CONTENDERS = ("fsdp_compose", "FSDP2", "DDP", "floor")
+# Columns a run may have (key, title, format): older results have no host time, and only
+# GPU runs have MFU and hidden communication.
+EXTRA_COLUMNS = (("host_seconds", "host ms", lambda s: f"{s * 1e3:.1f}"),
+                 ("mfu", "MFU", lambda x: f"{x:.3f}"),
+                 ("hidden_communication", "comm. hidden", lambda x: f"{x:.3f}"))
+MODELS = {"gpt": "the GPT of `examples/train_gpt.py`", "llama": "the Llama of `benchmarks/llama.py`"}
 
 STEP = """\
 ## Training step
 
-One command trains the GPT of `examples/train_gpt.py` ({model}) under fsdp_compose, torch's
+One command trains {which} ({model}) under fsdp_compose, torch's
 fully_shard (FSDP2), DDP and a single-process floor (the plain model on each rank's batch, no
 communication), interleaved in rounds, and writes `benchmarks/results/step.json` and
 `step.png` (`pip install "fsdp_compose[bench]"` for the chart):
@@ -31,7 +37,7 @@ communication), interleaved in rounds, and writes `benchmarks/results/step.json`
 unit and pass (the root's parameters stay gathered from forward to backward) and one
 reduce-scatter per unit:
 
-{bytes_table}
+{bytes_table}{copies}
 
 {communication} {losses} The bound is sharded parameters, gradients and AdamW state, the root
 unit, three block-sized buffers (one block computing, its gradient, the next prefetched) and
@@ -71,27 +77,37 @@ def step_section(result: dict, figure: str | None) -> str:
                      f"{result['vs_floor'][name]:.2f}", kib(memory[name]["Total"]),
                      f"{memory[name]['Total'] / bound:.2f}"])
     header = ["", "step ms", "vs FSDP2", "vs floor", "peak memory / rank", "vs FSDP analytic bound"]
-    extra = [(key, title) for key, title in (("mfu", "MFU"), ("hidden_communication", "comm. hidden"))
-             if result.get(key)]
-    for key, title in extra:
+    # Older results have no host time; each column shows only where the run measured it.
+    extra = [(key, title, unit) for key, title, unit in EXTRA_COLUMNS if result.get(key)]
+    for key, title, unit in extra:
         header.append(title)
         for row, name in zip(rows, CONTENDERS):
             value = result[key].get(name)
-            row.append("" if value is None else f"{value:.3f}")
+            row.append("" if value is None else unit(value))
     step_table = table(header, "lrrrrr" + "r" * len(extra), rows)
     return STEP.format(
-        model=f"{config['depth']} blocks, dim {config['dim']}, seq {config['seq']}, batch "
-              f"{config['batch']} per rank, AdamW",
+        which=MODELS[config.get("model", "gpt")], model=model_summary(config),
         command=command(f"torchrun --nproc_per_node={world} benchmarks/step.py", config,
                         f"{device.split(':')[0].upper()}, {backend}"
                         + (f": {duration(config)}" if duration(config) else "")),
         setting=setting, rounds=config["rounds"], steps=config["steps"],
         provenance=provenance(config), table=step_table, speed=step_speed(result),
         figure=f"![Median step time and peak memory per rank, by category]({figure})\n\n" if figure else "",
-        bytes_table=bytes_table(result), communication=step_communication(result),
+        bytes_table=bytes_table(result), copies=copies_table(result),
+        communication=step_communication(result),
         losses=step_losses(result["max_loss_difference_vs_fsdp2"]),
         memory=step_memory(memory, bound), accelerator=step_accelerator(result, device),
     )
+
+
+def model_summary(config: dict) -> str:
+    said = (f"{config['depth']} blocks, dim {config['dim']}, seq {config['seq']}, batch "
+            f"{config['batch']} per rank, AdamW")
+    if config.get("mixed_precision"):
+        said += ", bfloat16 mixed precision, by autocast for DDP and the floor"
+    if config.get("compile"):
+        said += f", each block compiled ({config.get('compile_backend', 'inductor')})"
+    return said
 
 
 def step_speed(result: dict) -> str:
@@ -125,6 +141,52 @@ def bytes_table(result: dict) -> str:
                   "all-reduced B"], "lrrrrr", rows)
     return text + ("\n\nDDP all-reduces from C++, out of the counter's sight: its figure is the "
                    "gradients' bytes, one all-reduce of each per step.")
+
+
+COPIES = """
+
+Bytes copied outside the collectives per step and rank, counted at dispatch by op (what
+each writes), with the copies the plain model makes itself, computing in the FSDPs' dtype
+("model's own"), which every contender's count includes.{eager} The FSDP floor beyond the
+model's own is {floor:,} B: a zero-copy design gathers nothing through a copy (the shards
+stay in the all-gather's input, the unsharded parameters are views of its output, and
+backward writes the gradients into the reduce-scatter's input){casts}.
+
+{table}
+
+fsdp_compose copies {ours:,} B beyond the model's own, {vs_fsdp2} FSDP2's {theirs:,} B."""
+
+
+def copies_table(result: dict) -> str:
+    """The copies outside collectives against their floor; nothing for older results."""
+    copies, floor = result.get("copies"), result["analytic"]
+    if not copies:
+        return ""
+    own = copies["model"]["total_bytes"]
+    kinds = sorted({kind for counted in copies.values() for kind in counted["bytes"]})
+    rows = []
+    for name in (*CONTENDERS, "model"):
+        counted = copies[name]
+        by_kind = [f"{counted['bytes'].get(kind, 0):,}" for kind in kinds]
+        beyond = "" if name == "model" else f"{counted['total_bytes'] - own:,}"
+        rows.append([name if name != "model" else "model's own", *by_kind, f"{counted['total_bytes']:,}", beyond])
+    rows.append(["FSDP floor", *("" for _ in kinds), "", f"{floor['copy_bytes']:,}"])
+    if "copy_one_reduce_scatter_bytes" in floor:
+        rows.append(["floor, one reduce-scatter per unit", *("" for _ in kinds), "",
+                     f"{floor['copy_one_reduce_scatter_bytes']:,}"])
+    ours, theirs = (copies[n]["total_bytes"] - own for n in ("fsdp_compose", "FSDP2"))
+    casts = "" if not floor["copy_bytes"] else (
+        f"; mixed precision adds the casts: each all-gather's input to param_dtype "
+        f"({floor['copy_param_cast_bytes']:,} B) and the gradients to reduce_dtype "
+        f"({floor['copy_grad_cast_bytes']:,} B)")
+    eager = (" Under torch.compile the counted step runs eagerly (dynamo skips frames while "
+             "a dispatch mode is active).") if result["config"].get("compile") else ""
+    return COPIES.format(
+        eager=eager, floor=floor["copy_bytes"], casts=casts, ours=ours, theirs=theirs,
+        table=table(["", *(f"`{k}` B" for k in kinds), "total B", "beyond the model's own B"],
+                    "l" + "r" * (len(kinds) + 2), rows),
+        vs_fsdp2=f"{ours / theirs:.2f} ×" if theirs else "against",
+    )
 
 
 def step_communication(result: dict) -> str:

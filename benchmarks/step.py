@@ -1,24 +1,31 @@
-"""Training step time, peak memory and communication: fsdp_compose, torch's fully_shard
-(FSDP2), DDP and a single-process floor, side by side in one run.
+"""Training step time, host time, peak memory, communication and copies: fsdp_compose,
+torch's fully_shard (FSDP2), DDP and a single-process floor, side by side in one run.
 
     torchrun --nproc_per_node=2 benchmarks/step.py                  # CPU, gloo: a few minutes
-    torchrun --nproc_per_node=8 benchmarks/step.py --dim 1024 --depth 16 --seq 1024 \
-        --heads 16 --vocab 32768 --dtype bfloat16 --peak-tflops 989   # GPUs (H100: 989)
+    torchrun --nproc_per_node=8 benchmarks/step.py --model llama --dim 1024 --depth 16 \
+        --seq 1024 --heads 16 --vocab 32768 --mixed-precision --compile --peak-tflops 989
 
-Every contender trains the GPT of examples/train_gpt.py (one unit per block plus the root)
-from the same weights on the same batches with AdamW. Rounds interleave the contenders so
-that machine drift hits all alike; the step time is the median over rounds. The floor is
-the plain model on each rank's batch without communication, all ranks at once (the same
-contention for the machine). Peak memory per rank comes from a separate tracked step
-(torch's MemTracker, by category) next to the analytic bound: sharded parameters,
-gradients and AdamW state, plus the largest units unsharded at once (one computing, one
-prefetched, and the gradient of the one computing), plus the floor's activations and
-temporaries at its peak. Collectives and bytes per step are counted at dispatch, next to
-the analytic floor of one all-gather per unit per pass and one reduce-scatter per unit.
-On CUDA it also reports MFU and, from the profiler, the fraction of communication hidden
-under compute. Rank 0 prints a table and writes JSON (with the machine, versions and
-date: benchmarks/report.py turns it into docs/performance.md) and a PNG chart (with
-matplotlib) to --out.
+Every contender trains the same model (--model: the GPT of examples/train_gpt.py or the
+Llama of benchmarks/llama.py; one unit per block plus the root) from the same weights on
+the same batches with AdamW (fused on CUDA). --compile compiles each block in place before
+sharding or wrapping, as torchtitan does. --mixed-precision gives both FSDPs
+MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) and runs DDP and the
+floor under bfloat16 autocast. The floor is the plain model on each rank's batch without
+communication, all ranks at once (the same contention for the machine).
+
+Rounds interleave the contenders so that drift hits all alike: the step time is the
+median over rounds, the host time (from a step's start until Python has issued it, before
+any synchronize; the step time, near enough, on CPU) the median over steps. Then one step
+each is counted at dispatch: collectives and their bytes against the floor of one
+all-gather per unit and pass and one reduce-scatter per unit, and bytes copied outside
+collectives, by op, against the FSDP floor (step_counting.copy_floor: nothing but the
+casts of mixed precision) beyond the model's own copies. Peak memory per rank comes from
+one more step (torch's MemTracker, by category) against the analytic bound (step_counting.
+analytic). The counted steps run eagerly even under --compile: dynamo skips frames while a
+dispatch mode is active. On CUDA it also reports MFU and the fraction of communication
+hidden under compute (step_gpu.py). Rank 0 prints a table and writes JSON (with the
+machine, versions and date: benchmarks/report.py turns it into docs/performance.md) and a
+PNG chart (with matplotlib) to --out.
 """
 
 from __future__ import annotations
@@ -28,48 +35,85 @@ import gc
 import json
 import statistics
 import sys
-import tempfile
 import time
+from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from llama import Llama
+from step_counting import CollectiveCounter, CopyCounter, analytic, ddp_bytes
+from step_gpu import hidden_communication, mfu
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from overlap import hidden_fraction  # noqa: E402
 from provenance import provenance  # noqa: E402
 from train_gpt import GPT, counting_batch, init_distributed  # noqa: E402
 
-from fsdp_compose import fully_shard  # noqa: E402
+from fsdp_compose import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 CONTENDERS = ("fsdp_compose", "FSDP2", "DDP", "floor")
-COLLECTIVES = {
-    "c10d::_allgather_base_": "all_gather",
-    "c10d::_reduce_scatter_base_": "reduce_scatter",
-    "c10d::allreduce_": "all_reduce",
-}
+SHARDED = ("fsdp_compose", "FSDP2")
+MODELS = {"gpt": GPT, "llama": Llama}
+
+
+def make_model(args: argparse.Namespace) -> nn.Module:
+    return MODELS[args.model](args.vocab, args.dim, args.heads, args.depth, args.seq)
 
 
 def build(name: str, args: argparse.Namespace, device: torch.device) -> nn.Module:
     torch.manual_seed(0)  # the same weights for every contender
-    model = GPT(args.vocab, args.dim, args.heads, args.depth, args.seq).to(device, args.dtype)
-    if name in ("fsdp_compose", "FSDP2"):
+    model = make_model(args).to(device, args.dtype)
+    if args.compile:
+        for block in model.blocks:
+            # In place, so that names, hooks and the blocks list stay as they were.
+            block.compile(backend=args.compile_backend)
+    if name in SHARDED:
         shard = fully_shard if name == "fsdp_compose" else torch_fully_shard
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        policy = mp_policy(name, args)
         for block in model.blocks:
-            shard(block, mesh=mesh)
-        shard(model, mesh=mesh)
+            shard(block, mesh=mesh, mp_policy=policy)
+        shard(model, mesh=mesh, mp_policy=policy)
     elif name == "DDP":
         model = DistributedDataParallel(model, device_ids=[device.index] if device.index is not None else None)
     return model
+
+
+def mp_policy(name: str, args: argparse.Namespace) -> MixedPrecisionPolicy | TorchMixedPrecisionPolicy:
+    policy = MixedPrecisionPolicy if name == "fsdp_compose" else TorchMixedPrecisionPolicy
+    if not args.mixed_precision:
+        return policy()
+    return policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def autocast_dtype(name: str, args: argparse.Namespace) -> torch.dtype | None:
+    """Under --mixed-precision the FSDPs cast in their gathers; DDP and the floor keep
+    their float32 parameters and compute under autocast instead."""
+    return torch.bfloat16 if args.mixed_precision and name not in SHARDED else None
+
+
+class Contender(NamedTuple):
+    model: nn.Module
+    optim: torch.optim.Optimizer
+    autocast: torch.dtype | None
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        return train_step(self.model, self.optim, tokens, self.autocast)
+
+
+def contender(name: str, args: argparse.Namespace, device: torch.device) -> Contender:
+    model = build(name, args, device)
+    # fused=None, not False, off CUDA: False would also turn off the foreach default.
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True if device.type == "cuda" else None)
+    return Contender(model, optim, autocast_dtype(name, args))
 
 
 def batch(args: argparse.Namespace, step: int, device: torch.device) -> torch.Tensor:
@@ -77,9 +121,11 @@ def batch(args: argparse.Namespace, step: int, device: torch.device) -> torch.Te
     return counting_batch(args.batch, args.seq, args.vocab, generator).to(device)
 
 
-def train_step(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor,
+               autocast: torch.dtype | None = None) -> torch.Tensor:
+    with torch.autocast(tokens.device.type, dtype=autocast, enabled=autocast is not None):
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     optim.step()
     optim.zero_grad()
@@ -91,165 +137,147 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class CollectiveCounter(TorchDispatchMode):
-    """Collectives issued from Python, with their payload (output of an all-gather, input
-    of a reduce-scatter, the tensor of an all-reduce) in bytes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: dict[str, int] = {}
-        self.bytes: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = COLLECTIVES.get(func._schema.name)
-        if kind is not None:
-            payload = args[1] if kind == "reduce_scatter" else args[0]
-            tensors = payload if isinstance(payload, (list, tuple)) else [payload]
-            self.calls[kind] = self.calls.get(kind, 0) + 1
-            self.bytes[kind] = self.bytes.get(kind, 0) + sum(t.numel() * t.element_size() for t in tensors)
-        return func(*args, **(kwargs or {}))
-
-
-def ddp_bytes(model: nn.Module) -> dict[str, int]:
-    """DDP all-reduces every gradient once per step from C++ (not seen at dispatch)."""
-    return {"all_reduce": sum(p.numel() * p.element_size() for p in model.parameters())}
-
-
-def analytic(args: argparse.Namespace, plain: nn.Module, floor_peak: dict[str, int]) -> dict[str, float]:
-    """The floors: bytes each collective must carry, and the paper's memory bound, whose
-    working memory (activations and temporaries) is the floor's at its peak (`floor_peak`,
-    measure_memory's categories)."""
-    world = dist.get_world_size()
-    working = floor_peak["Activation"] + floor_peak["Temp"]
-
-    def padded(params: list[nn.Parameter]) -> int:  # each parameter padded to W shards on dim 0
-        return sum(-(-p.shape[0] // world) * world * p[0].numel() * p.element_size() for p in params)
-
-    blocks = [padded(list(b.parameters())) for b in plain.blocks]
-    root = padded([p for n, p in plain.named_parameters() if not n.startswith("blocks.")])
-    params = sum(p.numel() * p.element_size() for p in plain.parameters())
-    shards = padded(list(plain.parameters())) // world  # per rank, padding included
-    largest = max(blocks)
-    return {
-        # Blocks are gathered in forward and again in backward; the root stays unsharded.
-        "all_gather_bytes": 2 * sum(blocks) + root,
-        "reduce_scatter_bytes": sum(blocks) + root,
-        "all_gather_calls": 2 * len(blocks) + 1,
-        "reduce_scatter_calls": len(blocks) + 1,
-        "ddp_all_reduce_bytes": params,
-        # Sharded params + grads + 2 AdamW moments, the root (unsharded throughout) and the
-        # largest block computing with its gradient and the next prefetched, and the floor's
-        # working memory.
-        "memory_bound": 4 * shards + root + 3 * largest + working,
-    }
-
-
-def measure_memory(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor) -> dict[str, int]:
+def measure_memory(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor,
+                   autocast: torch.dtype | None = None) -> dict[str, int]:
+    """MemTracker's peak by category; on CUDA also the allocator's peak during the step
+    above what was allocated at its start ("allocator step peak": every contender's model
+    lives on the device, so the absolute peak would mix them)."""
+    cuda = tokens.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(tokens.device)
+        torch.cuda.reset_peak_memory_stats(tokens.device)
+        resident = torch.cuda.memory_allocated(tokens.device)
     tracker = MemTracker()
     tracker.track_external(model, optim)
     with tracker:
-        train_step(model, optim, tokens)
+        train_step(model, optim, tokens, autocast)
     peak = tracker.get_tracker_snapshot("peak")
     by_category = next(iter(peak.values()))
+    if cuda:
+        by_category["allocator step peak"] = torch.cuda.max_memory_allocated(tokens.device) - resident
     return {getattr(k, "value", k): int(v) for k, v in by_category.items()}
 
 
-def hidden_communication(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
-    """On CUDA, the fraction of GPU time off the compute stream (collectives and their
-    copies, on their own streams) that ran while the compute stream was busy, over three
-    profiled steps."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            train_step(model, optim, tokens)
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as folder:
-        trace = Path(folder) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    spans: dict[int, list[tuple[float, float]]] = {}
-    for e in events:
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-            spans.setdefault(e["args"]["stream"], []).append((e["ts"], e["ts"] + e["dur"]))
-    return hidden_fraction(spans)
+class Timings(NamedTuple):
+    step: dict[str, list[float]]  # seconds per step, averaged over each round's steps
+    host: dict[str, list[float]]  # seconds to issue each step, per step
+    losses: dict[str, list[float]]
+    steps: int  # batches used, so that later steps take new ones
+
+
+def timed_rounds(args: argparse.Namespace, contenders: dict[str, Contender], device: torch.device) -> Timings:
+    timings = Timings(*({name: [] for name in CONTENDERS} for _ in range(3)), steps=0)
+    for round_ in range(args.warmup + args.rounds):
+        timed = round_ >= args.warmup
+        for name, c in contenders.items():  # interleaved: drift hits every contender alike
+            start = time.perf_counter()
+            for k in range(args.steps):
+                tokens = batch(args, timings.steps + k, device)
+                issued = time.perf_counter()
+                loss = c.step(tokens)
+                if timed:  # on CUDA the kernels may still run: this is the host's share
+                    timings.host[name].append(time.perf_counter() - issued)
+                if name != "floor":
+                    dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                    timings.losses[name].append(loss.item() / dist.get_world_size())
+            synchronize(device)
+            if timed:
+                timings.step[name].append((time.perf_counter() - start) / args.steps)
+        timings = timings._replace(steps=timings.steps + args.steps)
+    return timings
+
+
+def counted_step(name: str, c: Contender, tokens: torch.Tensor) -> tuple[dict, dict]:
+    """One step's collectives (DDP's from its parameters: it all-reduces from C++) and
+    copies outside them."""
+    with CollectiveCounter() as sent, CopyCounter(c.model) as copied:
+        c.step(tokens)
+    if name == "DDP":
+        return {"calls": {}, "bytes": ddp_bytes(c.model)}, copied.result()
+    return {"calls": sent.calls, "bytes": sent.bytes}, copied.result()
+
+
+def model_copies(args: argparse.Namespace, device: torch.device, tokens: torch.Tensor) -> dict:
+    """The copies the model makes itself, computing in the FSDPs' dtype (a bfloat16 RMSNorm
+    computes in float32, the loss copies its targets): each contender's count includes
+    them, and what it copies beyond them is the cost of its runtime or of autocast."""
+    plain = build("floor", args, device).to(torch.bfloat16 if args.mixed_precision else args.dtype)
+    with CopyCounter(plain) as copied:
+        train_step(plain, torch.optim.SGD(plain.parameters()), tokens)
+    return copied.result()
 
 
 def run(args: argparse.Namespace, device: torch.device) -> dict:
-    models = {name: build(name, args, device) for name in CONTENDERS}
-    optims = {name: torch.optim.AdamW(m.parameters(), lr=args.lr) for name, m in models.items()}
-    losses: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    step = 0
-    for round_ in range(args.warmup + args.rounds):
-        for name in CONTENDERS:  # interleaved: drift hits every contender alike
-            start = time.perf_counter()
-            for k in range(args.steps):
-                loss = train_step(models[name], optims[name], batch(args, step + k, device))
-                if name != "floor":
-                    dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-                    losses[name].append(loss.item() / dist.get_world_size())
-            synchronize(device)
-            if round_ >= args.warmup:
-                times[name].append((time.perf_counter() - start) / args.steps)
-        step += args.steps
-
-    tokens = batch(args, step, device)
-    comm: dict[str, dict] = {}
-    for name in ("fsdp_compose", "FSDP2"):
-        with CollectiveCounter() as counter:
-            train_step(models[name], optims[name], tokens)
-        comm[name] = {"calls": counter.calls, "bytes": counter.bytes}
-    comm["DDP"] = {"calls": {}, "bytes": ddp_bytes(models["DDP"])}
-    memory = {name: measure_memory(models[name], optims[name], tokens) for name in CONTENDERS}
-    hidden = None
-    if device.type == "cuda":
-        hidden = {n: hidden_communication(models[n], optims[n], tokens) for n in CONTENDERS[:3]}
-    floor = analytic(args, models["floor"], memory["floor"])
-
-    median = {name: statistics.median(t) for name, t in times.items()}
-    reference = losses["FSDP2"]
+    contenders = {name: contender(name, args, device) for name in CONTENDERS}
+    timings = timed_rounds(args, contenders, device)
+    tokens = batch(args, timings.steps, device)
+    comm, copies = {}, {}
+    for name, c in contenders.items():
+        comm[name], copies[name] = counted_step(name, c, tokens)
+    copies["model"] = model_copies(args, device, tokens)
+    memory = {name: measure_memory(c.model, c.optim, tokens, c.autocast) for name, c in contenders.items()}
+    floor = analytic(args, contenders["floor"].model, memory["floor"])
+    median = {name: statistics.median(t) for name, t in timings.step.items()}
+    utilisation, hidden = gpu_measures(args, contenders, median, tokens)
+    reference = timings.losses["FSDP2"]
     return {
         "config": {**vars(args), "world_size": dist.get_world_size(), "device": str(device),
                    "backend": dist.get_backend(), **provenance(device)},
         "step_seconds": median,
+        "host_seconds": {name: statistics.median(t) for name, t in timings.host.items()},
         "vs_fsdp2": {n: median[n] / median["FSDP2"] for n in CONTENDERS},
         "vs_floor": {n: median[n] / median["floor"] for n in CONTENDERS},
         "peak_memory": memory,
         "analytic": floor,
-        "communication": comm,
+        "communication": {n: comm[n] for n in ("fsdp_compose", "FSDP2", "DDP")},
+        "copies": copies,  # by contender, and the model's own
         "max_loss_difference_vs_fsdp2": {
-            n: max(abs(a - b) for a, b in zip(losses[n], reference)) for n in ("fsdp_compose", "DDP")
+            n: max(abs(a - b) for a, b in zip(timings.losses[n], reference)) for n in ("fsdp_compose", "DDP")
         },
-        "losses": {n: losses[n] for n in ("fsdp_compose", "FSDP2", "DDP")},
-        "mfu": mfu(args, median, device),
+        "losses": {n: timings.losses[n] for n in ("fsdp_compose", "FSDP2", "DDP")},
+        "mfu": utilisation,
         "hidden_communication": hidden,
     }
 
 
-def mfu(args: argparse.Namespace, median: dict[str, float], device: torch.device) -> dict[str, float] | None:
-    """Model FLOPs utilisation on GPUs, with --peak-tflops (per GPU, the dtype trained)."""
-    if device.type != "cuda" or args.peak_tflops is None:
-        return None
-    params = sum(p.numel() for p in GPT(args.vocab, args.dim, args.heads, args.depth, args.seq).parameters())
-    tokens = args.batch * args.seq
-    flops = 6 * params * tokens + 12 * args.depth * args.dim * args.seq * tokens  # fwd + bwd
-    return {n: flops / t / (args.peak_tflops * 1e12) for n, t in median.items()}
+def gpu_measures(args: argparse.Namespace, contenders: dict[str, Contender], median: dict[str, float],
+                 tokens: torch.Tensor) -> tuple[dict | None, dict | None]:
+    """MFU (with --peak-tflops) and the communication hidden under compute, on CUDA."""
+    if tokens.device.type != "cuda":
+        return None, None
+    hidden = {n: hidden_communication(partial(contenders[n].step, tokens)) for n in CONTENDERS[:3]}
+    if args.peak_tflops is None:
+        return None, hidden
+    with torch.device("meta"):
+        params = sum(p.numel() for p in make_model(args).parameters())
+    return mfu(args, params, median), hidden
 
 
 def report(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "step.json").write_text(json.dumps(result, indent=1, default=str))
     memory, bound = result["peak_memory"], result["analytic"]["memory_bound"]
-    print(f"{'':14}{'step ms':>9}{'vs FSDP2':>10}{'vs floor':>10}{'peak KiB':>10}{'vs bound':>10}")
+    copies = result["copies"]
+    print(f"{'':14}{'step ms':>9}{'host ms':>9}{'vs FSDP2':>10}{'vs floor':>10}{'peak KiB':>10}"
+          f"{'vs bound':>10}{'copied KiB':>12}{'beyond model':>14}")
     for name in CONTENDERS:
-        peak = memory[name]["Total"]
-        print(f"{name:14}{result['step_seconds'][name] * 1e3:9.1f}{result['vs_fsdp2'][name]:10.2f}"
-              f"{result['vs_floor'][name]:10.2f}{peak / 1024:10.0f}{peak / bound:10.2f}")
+        peak, copied = memory[name]["Total"], copies[name]["total_bytes"]
+        print(f"{name:14}{result['step_seconds'][name] * 1e3:9.1f}{result['host_seconds'][name] * 1e3:9.1f}"
+              f"{result['vs_fsdp2'][name]:10.2f}{result['vs_floor'][name]:10.2f}{peak / 1024:10.0f}"
+              f"{peak / bound:10.2f}{copied / 1024:12.1f}{(copied - copies['model']['total_bytes']) / 1024:14.1f}")
     print(f"memory bound per rank: {bound / 1024:.0f} KiB")
     for name, comm in result["communication"].items():
         print(f"{name:14}collectives {comm['calls'] or '-'}  bytes {comm['bytes']}")
     a = result["analytic"]
     print(f"{'floor':14}all_gather {a['all_gather_calls']} x, {a['all_gather_bytes']} B; "
           f"reduce_scatter {a['reduce_scatter_calls']} x, {a['reduce_scatter_bytes']} B")
+    print("bytes copied outside collectives per step and rank, by op (model: the model's own):")
+    for name, counted in copies.items():
+        print(f"{name:14}{counted['bytes'] or '-'}  total {counted['total_bytes']} B")
+    print(f"{'FSDP floor':14}beyond the model's own: gathers {a['copy_gather_bytes']} B, param_dtype "
+          f"casts {a['copy_param_cast_bytes']} B, reduce_dtype casts {a['copy_grad_cast_bytes']} B, "
+          f"total {a['copy_bytes']} B; with one reduce-scatter per unit "
+          f"{a['copy_one_reduce_scatter_bytes']} B")
     print(f"max |loss - FSDP2's|: {result['max_loss_difference_vs_fsdp2']}")
     for key in ("mfu", "hidden_communication"):
         if result[key] is not None:
@@ -263,7 +291,9 @@ def report(result: dict, out: Path) -> None:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The GPT's sizes, its batch and its training (what build, batch and train_step read)."""
+    """The model, its sizes, its batch and its training (what build, batch and train_step
+    read)."""
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=256)
@@ -273,6 +303,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dtype", type=lambda name: getattr(torch, name), default=torch.float32,
                         help="of the whole model and its training, e.g. bfloat16 on GPUs")
+    parser.add_argument("--mixed-precision", action="store_true",
+                        help="bfloat16 compute, float32 parameters and reductions (FSDP's "
+                             "MixedPrecisionPolicy; autocast for DDP and the floor)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="e.g. aot_eager: traced like inductor, without generating code")
 
 
 def main() -> None:
@@ -284,6 +320,8 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, help="GPU peak, for MFU")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
+    if args.mixed_precision and args.dtype != torch.float32:
+        parser.error("--mixed-precision keeps float32 parameters: leave --dtype at float32")
     start = time.perf_counter()
     result = run(args, init_distributed())
     result["config"]["wall_seconds"] = time.perf_counter() - start
