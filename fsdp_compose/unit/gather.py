@@ -14,6 +14,7 @@ from ..comm import observer as _observer
 from ..comm.buffer import ReusedBuffer
 from ..comm.collectives import all_gather, all_gather_each, allocate, collective_failed
 from .codec import decode_rows, encode_shards
+from .held import GATHERED, POST_FORWARD, UNSHARDED
 from .layout import Layout, forms_by_owner
 from .post_forward import PostForwardShards
 
@@ -62,10 +63,15 @@ class Gatherer:
         if self._post_forward is not None:
             self._check_extended()
 
-    def held_bytes(self) -> int:
-        """Bytes held beyond the shards: unsharded data and the all-gather buffer."""
+    def held_by_kind(self) -> dict[str, int]:
+        """Bytes held beyond the shards, by kind (see MeshPart.held_by_kind)."""
         storages = () if self._allocated is None else self._allocated.storages
-        return sum(storage.nbytes() for storage, _ in storages) + self._buffer.nbytes()
+        post_forward = self._post_forward
+        return {
+            UNSHARDED: sum(storage.nbytes() for storage, _ in storages),
+            GATHERED: self._buffer.nbytes(),
+            POST_FORWARD: 0 if post_forward is None else post_forward.nbytes(),
+        }
 
     @property
     def in_flight(self) -> bool:

@@ -40,6 +40,14 @@ class GradLedger:
         # commit made views of it; see _commit_held.
         self._grad_views: tuple[weakref.ref[torch.Tensor], list[weakref.ref[torch.Tensor]]] | None = None
 
+    def nbytes(self) -> int:
+        """What the ledger holds: reduced shards of this backward, and sums kept between
+        backwards (without gradient sync; HSDP's partial sums)."""
+        kept = [*self._pending_shard.values(), *self._accumulated.values(),
+                *self._partial.values(), *self._pending_partial.values()]
+        held = 0 if self._held is None else self._held.nbytes
+        return held + sum(t.nbytes for t in kept)
+
     # -- unsharded gradients ---------------------------------------------------------------
 
     def has_unsharded_grads(self) -> bool:
@@ -85,14 +93,19 @@ class GradLedger:
         if self._held is None and len(params) == len(self._params):
             self._held = reduced
             return
-        if self._held is not None:
-            self._hold_each(self._params, self._sizes, self._held)
-            self._held = None
         self._hold_each(params, sizes, reduced)
 
     def _hold_each(self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor) -> None:
+        self.hold_shards(params, torch.split_with_sizes(reduced, sizes))
+
+    def hold_shards(self, params: list[ShardedParam], shards: Iterable[torch.Tensor]) -> None:
+        """Keep each parameter's reduced gradient shard (flat, padded) until the backward
+        finishes."""
+        if (held := self._held) is not None:  # an earlier reduction's, whole: see hold
+            self._held = None
+            self._hold_each(self._params, self._sizes, held)
         pending = self._pending_shard
-        for p, shard in zip(params, torch.split_with_sizes(reduced, sizes)):
+        for p, shard in zip(params, shards):
             earlier = pending.get(p)
             pending[p] = shard if earlier is None else earlier + shard
 

@@ -21,6 +21,7 @@ from ..param.sharded_param import ShardedParam
 from .codec import AllGatherCodec
 from .gather import Gatherer
 from .grad_ledger import GradLedger
+from .held import GRADIENT_LEDGER
 from .layout import Layout, lay_out
 from .reduce import Reducer
 
@@ -66,9 +67,11 @@ class MeshPart:
         self.gatherer.layout_changed()
         return self.layout
 
-    def held_bytes(self) -> int:
-        """Bytes held beyond the shards (unsharded data, communication buffers)."""
-        return self.gatherer.held_bytes() + self.reducer.held_bytes()
+    def held_by_kind(self) -> dict[str, int]:
+        """Bytes held beyond the shards, by kind: unsharded data, the all-gather's and the
+        reduce-scatter's buffers, pieces kept after forward, the gradient ledger."""
+        return {**self.gatherer.held_by_kind(), **self.reducer.held_by_kind(),
+                GRADIENT_LEDGER: self.grads.nbytes()}
 
     def adopt_registered(self) -> None:
         """Take back parameters changed behind our back (see ShardedParam.adopt_registered)

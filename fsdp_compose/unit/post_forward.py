@@ -60,6 +60,10 @@ class PostForwardShards:
     def drop(self) -> None:
         self._kept = None
 
+    def nbytes(self) -> int:
+        """What the kept pieces hold (0 when none are kept)."""
+        return 0 if self._kept is None else sum(piece.nbytes for piece in self._kept)
+
     def copy_out(self, gathered: torch.Tensor, all_dim0: bool) -> None:
         """Write the gathered pieces (row r: group rank r's) into each parameter's
         unsharded data, as rows of this layout. The group's size divides the shard size, so

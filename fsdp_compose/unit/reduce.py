@@ -21,6 +21,7 @@ from ..comm.collectives import (
     reduce_scatter,
 )
 from ..param.sharded_param import ShardedParam
+from .held import REDUCE_INPUT, REDUCE_OUTPUT
 from .layout import BufferSpec, DtypeFacts, dtype_facts
 
 if TYPE_CHECKING:  # the part owns its reducer
@@ -62,11 +63,13 @@ class Reducer:
         self._buffer = ReusedBuffer()  # the reduce-scatter's input, unless custom allocates
         self._pending: _Reduction | None = None
 
-    def held_bytes(self) -> int:
-        """Bytes held beyond the shards: the reduce-scatter's input and output in flight."""
+    def held_by_kind(self) -> dict[str, int]:
+        """Bytes held beyond the shards, by kind (see MeshPart.held_by_kind)."""
         pending = self._pending
-        output = 0 if pending is None else pending.output.nbytes
-        return self._buffer.nbytes() + output
+        return {
+            REDUCE_INPUT: self._buffer.nbytes(),
+            REDUCE_OUTPUT: 0 if pending is None else pending.output.nbytes,
+        }
 
     def set_reduction(self, divide_factor: float | None, force_sum: bool) -> None:
         """Divide summed gradients by `divide_factor` (None: the number of data-parallel
@@ -94,6 +97,12 @@ class Reducer:
                 observer.end(part, _observer.ISSUE_REDUCE)
             return False
         dtypes = dtype_facts(self.params) if layout is None else layout.dtypes
+        reduction = self._grad_reduction(dtypes)
+        if self._reduces_nothing(grads, dtypes, reduction):
+            part.grads.hold_shards(params, [g.reshape(-1) for g in grads])
+            if observer is not None:
+                observer.end(part, _observer.ISSUE_REDUCE, 0)
+            return True
         spec: BufferSpec
         if len(params) == len(self.params) and layout is not None:
             sizes, spec = part.sizes, layout.reduce_spec
@@ -116,7 +125,6 @@ class Reducer:
         # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
         # pads them to the shard layout and casts to reduce_dtype. Private: docs/design.md.
         torch._chunk_cat(grads, dim=0, num_chunks=part.mesh.shard_size, out=rows)
-        reduction = self._grad_reduction(dtypes)
         side = part.streams
         final = None
         work: Work | torch.Event | None
@@ -132,6 +140,19 @@ class Reducer:
         if observer is not None:
             observer.end(part, _observer.ISSUE_REDUCE, rows.nbytes)
         return True
+
+    def _reduces_nothing(
+        self, grads: list[torch.Tensor], dtypes: DtypeFacts, reduction: GradReduction
+    ) -> bool:
+        """Whether each gradient is its own reduced shard, with no copy: one rank and no
+        replicas, nothing to scale or hook, every gradient in reduce_dtype already."""
+        mesh = self._part.mesh
+        return (
+            mesh.shard_size == 1 and mesh.replicate_group is None
+            and self.custom_reduce_scatter is None and self.all_reduce_hook is None
+            and reduction.pre_scale is None and reduction.post_divide is None
+            and all(g.dtype == dtypes.reduce_dtype for g in grads)
+        )
 
     def _grad_reduction(self, dtypes: DtypeFacts) -> GradReduction:
         """How this part's gradients are averaged, kept until its settings or its reduce

@@ -85,8 +85,16 @@ class Unit:
                 return True
         return False
 
+    def held_by_kind(self) -> dict[str, int]:
+        """Bytes held beyond the shards, by kind (see MeshPart.held_by_kind)."""
+        held: dict[str, int] = {}
+        for part in self.parts:
+            for kind, nbytes in part.held_by_kind().items():
+                held[kind] = held.get(kind, 0) + nbytes
+        return held
+
     def held_bytes(self) -> int:
-        return sum(part.held_bytes() for part in self.parts)
+        return sum(self.held_by_kind().values())
 
     def adopt_registered(self) -> None:
         for part in self.parts:

@@ -1,6 +1,8 @@
-"""A data-parallel group of one rank gathers nothing: its shards are the whole parameters,
-so the unsharded parameters are views of them (no all-gather, no copy), and it trains as
-torch's fully_shard and the single-process model do."""
+"""A data-parallel group of one rank gathers and reduces nothing: its shards are the whole
+parameters, so the unsharded parameters are views of them (no all-gather, no copy), and
+each gradient is its own reduced shard (no reduce-scatter, no copy: the sharded `.grad`s
+are views of autograd's gradients). It trains as torch's fully_shard and the
+single-process model do."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import fully_shard
-from tests.dist.counting import ALL_GATHER
+from tests.dist.counting import ALL_GATHER, REDUCE_SCATTER
 from tests.dist.parity import per_block, train_and_compare
 from tests.models import Transformer, lm_loss, token_batch
 
-COPIES = ("aten::copy_", "aten::split_with_sizes_copy", "aten::_to_copy", "aten::cat")
+COPIES = ("aten::copy_", "aten::split_with_sizes_copy", "aten::_to_copy", "aten::cat",
+          "aten::_chunk_cat", "aten::clone")
 
 
 class OpCounter(TorchDispatchMode):
@@ -48,7 +51,20 @@ def check_one_rank() -> dict[str, object]:
     forward = ops.counts
     with OpCounter() as ops:
         loss.backward()
-    return {"errors": tuple(errors), "seen": seen, "forward": forward, "backward": ops.counts}
+    backward = ops.counts
+    grads_on_autograds = all(
+        p.grad.to_local().untyped_storage().data_ptr() != shards[name]
+        for name, p in model.named_parameters()
+    )
+    torch.manual_seed(0)
+    plain = Transformer()
+    with OpCounter() as plain_forward:
+        loss = lm_loss(plain, token_batch(1, 2))
+    with OpCounter() as plain_backward:
+        loss.backward()
+    return {"errors": tuple(errors), "seen": seen, "forward": forward, "backward": backward,
+            "plain_forward": plain_forward.counts, "plain_backward": plain_backward.counts,
+            "grads_apart": grads_on_autograds}
 
 
 def test_one_rank_gathers_and_copies_nothing(ranks):
@@ -57,5 +73,8 @@ def test_one_rank_gathers_and_copies_nothing(ranks):
     assert vs_torch == 0.0 and vs_reference < 1e-6
     assert result["seen"] and all(result["seen"].values()), result["seen"]
     for counts in (result["forward"], result["backward"]):
-        assert counts[ALL_GATHER] == 0
-    assert not {op: n for op, n in result["forward"].items() if op in COPIES}, result["forward"]
+        assert counts[ALL_GATHER] == 0 and counts[REDUCE_SCATTER] == 0
+    for ours, plain in (("forward", "plain_forward"), ("backward", "plain_backward")):
+        copies = [{op: n for op, n in result[k].items() if op in COPIES} for k in (ours, plain)]
+        assert copies[0] == copies[1], (ours, *copies)  # the plain model's own, nothing more
+    assert result["grads_apart"]

@@ -1,0 +1,130 @@
+"""Memory that adds up: every buffer the runtime holds beyond the shards, by kind
+(fsdp_compose/unit/held.py), sampled at every collective it issues and waits for during
+training steps, stays within its analytic bound, and between steps nothing is held at all.
+Independently of that accounting, no tensor storage made during the steps outlives them
+but the parameters' shards, their gradients and the optimizer's state."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_compose import fully_shard
+from fsdp_compose.comm import observer
+from fsdp_compose.schedule.state import state_of
+from fsdp_compose.unit.held import (
+    GATHERED, GRADIENT_LEDGER, KINDS, POST_FORWARD, REDUCE_INPUT, REDUCE_OUTPUT, UNSHARDED,
+)
+from tests.dist.parity import per_block
+from tests.models import Transformer, lm_loss, token_batch
+
+STEPS = 3
+
+
+def padded_bytes(params: Iterator[torch.nn.Parameter], world: int) -> int:
+    """Unsharded bytes as gathered: each parameter padded to `world` dim-0 shards."""
+    return sum(-(-p.shape[0] // world) * world * p[0].numel() * p.element_size() for p in params)
+
+
+class Sampler:
+    """An observer that adds up every unit's held bytes, by kind, at each event."""
+
+    def __init__(self, units: list) -> None:
+        self.units = units
+        self.peak = dict.fromkeys(KINDS, 0)
+
+    def held(self) -> dict[str, int]:
+        total = dict.fromkeys(KINDS, 0)
+        for unit in self.units:
+            for kind, nbytes in unit.held_by_kind().items():
+                total[kind] += nbytes
+        return total
+
+    def sample(self, *args: object, **kwargs: object) -> None:
+        for kind, nbytes in self.held().items():
+            self.peak[kind] = max(self.peak[kind], nbytes)
+
+    begin = end = backward_began = sample
+
+
+def storages(tensors: Iterator[object]) -> dict[int, int]:
+    """Data pointer to bytes of the plain tensors' storages among `tensors`."""
+    found = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.device.type == "cpu":
+            storage = t.untyped_storage()
+            if storage.nbytes():
+                found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def owned(model: torch.nn.Module, optim: torch.optim.Optimizer) -> set[int]:
+    """The storages that should outlive a step: shards, gradients, optimizer state, and the
+    rank tensors of the device meshes made for the model."""
+    tensors = [local(p) for p in model.parameters()]
+    tensors += [m.mesh for m in gc.get_objects() if isinstance(m, DeviceMesh)]
+    tensors += [local(p.grad) for p in model.parameters() if p.grad is not None]
+    tensors += [local(v) for state in optim.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor)]
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def check_buffers(setup: str) -> dict[str, object]:
+    world = dist.get_world_size()
+    gc.collect()
+    before = storages(gc.get_objects())
+    torch.manual_seed(0)
+    model = Transformer(depth=4)
+    kwargs = {"shard_placement_fn": lambda p: Shard(1) if p.ndim == 2 else None} if setup == "flat" else {}
+    per_block(model, fully_shard, **kwargs)
+    units = [state_of(m).unit for m in (*model.blocks, model)]
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler, between = Sampler(units), []
+    for step in range(STEPS):
+        observer.observe(sampler)
+        try:
+            lm_loss(model, token_batch(step, 2)).backward()
+        finally:
+            observer.observe(None)
+        between.append(sampler.held())
+        optim.step()
+        if step < STEPS - 1:
+            optim.zero_grad()
+    gc.collect()
+    left = {ptr: n for ptr, n in storages(gc.get_objects()).items()
+            if ptr not in before and ptr not in owned(model, optim)}
+    blocks = max(padded_bytes(b.parameters(), world) for b in model.blocks)
+    root = padded_bytes((p for n, p in model.named_parameters() if not n.startswith("blocks.")), world)
+    return {"peak": sampler.peak, "between": between, "left": left, "world": world,
+            "largest": max(blocks, root), "blocks": blocks, "root": root,
+            "shards": padded_bytes(model.parameters(), world) // world}
+
+
+@pytest.mark.parametrize("setup", ["in place", "flat"])
+def test_buffers_stay_within_their_bounds_and_none_outlives_a_step(ranks, setup):
+    for r in ranks.run(check_buffers, world_size=2, setup=setup):
+        peak, largest = r["peak"], r["largest"]
+        # The root stays unsharded through the step; one block computes, one is prefetched.
+        assert r["root"] < peak[UNSHARDED] <= r["root"] + 2 * r["blocks"], peak
+        if setup == "in place":  # gathered straight into the unsharded storages
+            assert peak[GATHERED] == 0, peak
+        else:  # one unit's flat all-gather in flight, another's being copied out
+            assert 0 < peak[GATHERED] <= 2 * largest, peak
+        assert peak[POST_FORWARD] == 0, peak
+        assert 0 < peak[REDUCE_INPUT] <= 2 * largest, peak  # reductions in flight
+        assert 0 < peak[REDUCE_OUTPUT] <= 2 * largest // r["world"], peak
+        # This backward's reduced shards, until it ends: the gradients, at most.
+        assert 0 < peak[GRADIENT_LEDGER] <= r["shards"], peak
+        for held in r["between"]:  # after backward, before the optimizer: nothing
+            assert not any(held.values()), held
+        assert not r["left"], f"storages outliving the steps: {r['left']}"
