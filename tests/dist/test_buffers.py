@@ -2,7 +2,8 @@
 (fsdp_compose/unit/held.py), sampled at every collective it issues and waits for during
 training steps, stays within its analytic bound, and between steps nothing is held at all.
 Independently of that accounting, no tensor storage made during the steps outlives them
-but the parameters' shards, their gradients and the optimizer's state."""
+but the parameters' shards, their gradients and the optimizer's state. In steady steps
+the runtime allocates only the gradients: every other buffer is reused."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import fully_shard
 from fsdp_compose.comm import observer
@@ -128,3 +130,61 @@ def test_buffers_stay_within_their_bounds_and_none_outlives_a_step(ranks, setup)
         for held in r["between"]:  # after backward, before the optimizer: nothing
             assert not any(held.values()), held
         assert not r["left"], f"storages outliving the steps: {r['left']}"
+
+
+ALLOCATIONS = ("aten::empty", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
+               "aten::zeros", "aten::new_zeros", "aten::empty_like", "aten::zeros_like")
+
+
+class Allocations(TorchDispatchMode):
+    """Tensors allocated by factory ops, and storages resized, while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors = 0
+        self.resizes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.tensors += func._schema.name in ALLOCATIONS
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> Allocations:
+        resize = self._resize = torch.UntypedStorage.resize_
+
+        def counted(storage: torch.UntypedStorage, nbytes: int) -> object:
+            self.resizes += 1
+            return resize(storage, nbytes)
+
+        torch.UntypedStorage.resize_ = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        super().__exit__(*exc)
+
+
+def count_allocations() -> list[tuple[int, int, int]]:
+    """Per step: tensors fsdp_compose's step allocates beyond the plain model's, and storage
+    resizes; with the number of reduce-scatters."""
+    torch.manual_seed(0)
+    plain, model = Transformer(depth=4), Transformer(depth=4)
+    per_block(model, fully_shard)
+    counts = []
+    for step in range(4):
+        for m in (plain, model):
+            with Allocations() as allocations:
+                lm_loss(m, token_batch(step, 2)).backward()
+            m.zero_grad()
+            if m is plain:
+                plain_tensors = allocations.tensors
+        counts.append((allocations.tensors - plain_tensors, allocations.resizes))
+    return counts[1:]  # the first step lays out and checks once
+
+
+def test_steady_steps_allocate_only_the_gradients(ranks):
+    units, gathers = 5, 2 * 4 + 1  # blocks gather in forward and backward, the root once
+    for counts in ranks.run(count_allocations, world_size=2):
+        # One new tensor per reduction: its output becomes the sharded .grads (zero_grad
+        # freed the last). Every other buffer is reused: its storage grows for a use and
+        # shrinks after it (the unsharded data per gather, the reduce-scatter's input).
+        assert counts == [(units, 2 * gathers + 2 * units)] * 3, counts
