@@ -103,28 +103,8 @@ class Reducer:
             if observer is not None:
                 observer.end(part, _observer.ISSUE_REDUCE, 0)
             return True
-        spec: BufferSpec
-        if len(params) == len(self.params) and layout is not None:
-            sizes, spec = part.sizes, layout.reduce_spec
-            numel = spec[0][1]
-        else:
-            sizes = [p.layout.padded_shard_numel for p in params]
-            numel = sum(sizes)
-            spec = ((part.mesh.shard_size, numel), dtypes.reduce_dtype, part.device)
-        custom = self.custom_reduce_scatter
-        if custom is None:  # row r: what rank r keeps, param after param
-            rows = self._buffer.take(spec)
-            flat = self._buffer.flat
-        else:
-            rows = allocate(custom, *spec)
-            flat = rows.view(-1)
-        if dtypes.mixed_dtypes:  # one dtype in: _chunk_cat needs it
-            grads = [g.to(spec[1]) for g in grads]
-        if not part.all_dim0:  # each rank's slice on the shard dim first: see ShardLayout
-            grads = [p.layout.rank_first(g) for p, g in zip(params, grads)]
-        # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
-        # pads them to the shard layout and casts to reduce_dtype. Private: docs/design.md.
-        torch._chunk_cat(grads, dim=0, num_chunks=part.mesh.shard_size, out=rows)
+        rows, flat, sizes = self._chunked(params, grads, dtypes)
+        numel = flat.numel() // part.mesh.shard_size
         side = part.streams
         final = None
         work: Work | torch.Event | None
@@ -140,6 +120,34 @@ class Reducer:
         if observer is not None:
             observer.end(part, _observer.ISSUE_REDUCE, rows.nbytes)
         return True
+
+    def _chunked(
+        self, params: list[ShardedParam], grads: list[torch.Tensor], dtypes: DtypeFacts
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The reduce-scatter's input (its rows, and flat) with `grads` chunked into it, and
+        each parameter's padded shard size."""
+        part, layout = self._part, self._part.layout
+        spec: BufferSpec
+        if len(params) == len(self.params) and layout is not None:
+            sizes, spec = part.sizes, layout.reduce_spec
+        else:
+            sizes = [p.layout.padded_shard_numel for p in params]
+            spec = ((part.mesh.shard_size, sum(sizes)), dtypes.reduce_dtype, part.device)
+        custom = self.custom_reduce_scatter
+        if custom is None:  # row r: what rank r keeps, param after param
+            rows = self._buffer.take(spec)
+            flat = self._buffer.flat
+        else:
+            rows = allocate(custom, *spec)
+            flat = rows.view(-1)
+        if dtypes.mixed_dtypes:  # one dtype in: _chunk_cat needs it
+            grads = [g.to(spec[1]) for g in grads]
+        if not part.all_dim0:  # each rank's slice on the shard dim first: see ShardLayout
+            grads = [p.layout.rank_first(g) for p, g in zip(params, grads)]
+        # One op splits each gradient into shard_size dim-0 chunks as torch.chunk does,
+        # pads them to the shard layout and casts to reduce_dtype. Private: docs/design.md.
+        torch._chunk_cat(grads, dim=0, num_chunks=part.mesh.shard_size, out=rows)
+        return rows, flat, sizes
 
     def _reduces_nothing(
         self, grads: list[torch.Tensor], dtypes: DtypeFacts, reduction: GradReduction
