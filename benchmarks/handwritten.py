@@ -1,15 +1,18 @@
 """The per-unit work of fully_shard written out by hand, with nothing else: the cost of the
 design itself, which benchmarks/overhead.py sets beside the runtimes.
 
-Each `nn.Linear` gets what a unit of either runtime does in a forward and a backward: its
-two shards in one flat tensor, all-gathered into a buffer (kept allocated here; the runtimes
-free theirs) and copied out into one unsharded storage that is freed after forward (resized
-to 0) and gathered again for backward; a hook on each unsharded parameter's gradient
-accumulation that, after the last, chunks the gradients into one reduce-scatter that
-averages, and adds the result to the shards' `.grad`. It calls the same process-group
-methods as fsdp_compose (none on one rank, as both runtimes). Left out is all a runtime is
-for: DTensors, checks, a root, prefetch, mixed precision, any other module or mesh, errors,
-state dicts. Only for this benchmark's model; not a runtime.
+Each unit (any module whose parameters are sharded on dim 0 in one dtype: a Linear, a
+transformer block) gets what a unit of fsdp_compose does in a forward and a backward on the
+CPU: its padded shards back to back in one flat tensor; its unsharded parameters views of
+one storage, allocated before forward and backward and freed (resized to 0) after forward;
+gathered in place, one coalesced all-gather writing each parameter's shards straight into
+its own unsharded data, so nothing is copied out (fsdp_compose's InPlaceGather); a hook on
+each unsharded parameter's gradient accumulation that, after the last, chunks the gradients
+into one flat tensor (`_chunk_cat`) for one reduce-scatter that averages, and adds the
+result to the shards' `.grad`. On one rank, as fsdp_compose, the unsharded parameters are
+the shards themselves, nothing is gathered, and each gradient is its own reduced shard. It calls the same process-group methods as
+fsdp_compose. Left out is all a runtime is for: DTensors, checks, a root, prefetch, mixed
+precision, other meshes and shardings, errors, state dicts. A benchmark's, not a runtime.
 """
 
 from __future__ import annotations
@@ -19,59 +22,83 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-# The process group's two methods, called as fsdp_compose calls them (their names vary).
-from fsdp_compose.comm.compat import all_gather_single, reduce_scatter_single
+# The process group's reduce-scatter, called as fsdp_compose calls it (its name varies).
+from fsdp_compose.comm.compat import reduce_scatter_single
 
 _GATHER = AllgatherOptions()
 _AVERAGE = dist.ReduceScatterOptions()
 _AVERAGE.reduceOp = dist.ReduceOp.AVG
 
 
-class HandShardedLinear:
-    """One `nn.Linear` sharded on dim 0 over the default group (dims divisible by its size)."""
+def _shard(p: torch.Tensor, ranks: int, rank: int, piece: torch.Tensor) -> nn.Parameter:
+    """Write `rank`'s torch.chunk piece of `p` (dim 0) into `piece` (its padded shard, zero
+    past the piece) and return the piece as a parameter: a view of `piece`."""
+    rows = -(-p.shape[0] // ranks)
+    local = p.detach()[rank * rows:(rank + 1) * rows]
+    piece.zero_()
+    piece[:local.numel()].copy_(local.reshape(-1))
+    return nn.Parameter(piece[:local.numel()].view(local.shape))
 
-    def __init__(self, linear: nn.Linear) -> None:
+
+class HandShardedUnit:
+    """The parameters of `module` (and its submodules) sharded on dim 0 over the default
+    group, as one unit."""
+
+    def __init__(self, module: nn.Module) -> None:
         group = dist.group.WORLD
         self.group, self.ranks, rank = group, group.size(), group.rank()
-        self.linear, self.names = linear, list(linear._parameters)
-        unsharded = [linear._parameters[name] for name in self.names]
-        assert all(p is not None and p.shape[0] % self.ranks == 0 for p in unsharded)
-        self.sizes = [p.numel() // self.ranks for p in unsharded]
-        flat = torch.cat([p.detach().reshape(self.ranks, -1)[rank] for p in unsharded])
-        self.flat = flat  # this rank's shards, back to back: what the all-gather sends
-        self.sharded = {  # views of flat, shaped as torch.chunk's dim-0 pieces
-            n: nn.Parameter(s.view(-1, *p.shape[1:]))
-            for n, s, p in zip(self.names, flat.split(self.sizes), unsharded)
-        }
-        storage = torch.empty(self.ranks * flat.numel())
-        pieces = storage.split([self.ranks * size for size in self.sizes])
-        self.unsharded = {
-            n: nn.Parameter(piece.view(p.shape)) for n, piece, p in zip(self.names, pieces, unsharded)
-        }
-        # .data: the copy-out must not bump the version autograd saved the parameters at.
-        self.targets = [self.unsharded[n].data.view(self.ranks, -1) for n in self.names]
-        self.storage, self.nbytes = storage.untyped_storage(), storage.nbytes
-        self.storage.resize_(0)
-        self.gathered = torch.empty(self.ranks, flat.numel())  # row r: rank r's shards
+        owned = [(m._parameters, n, p) for m in module.modules()
+                 for n, p in m._parameters.items() if p is not None]
+        self.count = len(owned)
+        # Each parameter's padded shard: ceil(rows / ranks) rows, as both runtimes pad.
+        self.sizes = [-(-p.shape[0] // self.ranks) * p[0].numel() for _, _, p in owned]
+        self.flat = torch.empty(sum(self.sizes))  # this rank's shards: what is sent
+        self.shards = list(self.flat.split(self.sizes))
+        sharded = [_shard(p, self.ranks, rank, s) for (_, _, p), s in zip(owned, self.shards)]
+        if self.ranks == 1:  # the shards are the unsharded data: nothing to gather or free
+            unsharded_data, self.outputs, self.storage = self.shards, [], None
+        else:
+            storage = torch.empty(self.ranks * self.flat.numel())
+            unsharded_data = storage.split([self.ranks * size for size in self.sizes])
+            # Through .data, which has its own version counter: the gather must not bump the
+            # one autograd checks on the unsharded parameters it saved.
+            self.outputs = list(storage.data.split([self.ranks * size for size in self.sizes]))
+            self.storage, self.nbytes = storage.untyped_storage(), storage.nbytes
+        unsharded = [nn.Parameter(data[:p.numel()].view(p.shape))
+                     for data, (_, _, p) in zip(unsharded_data, owned)]
+        self.forms = self._by_owner(owned, sharded, unsharded)
+        self.sharded, self.unsharded = sharded, unsharded
         self.grads_pending = 0
-        for param in self.unsharded.values():
+        self.grad_views: list[torch.Tensor] = []  # see add_to_grads
+        offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]  # in the reduced shards
+        self.grad_geometry = [(s.shape, s.stride(), o) for s, o in zip(sharded, offsets)]
+        for param in unsharded:
             param.register_post_accumulate_grad_hook(self.grad_accumulated)
-        linear._parameters.update(self.sharded)
-        linear.register_forward_pre_hook(self.pre_forward)
-        linear.register_forward_hook(self.post_forward)
+        self.reshard()
+        module.register_forward_pre_hook(self.pre_forward)
+        module.register_forward_hook(self.post_forward)
+
+    @staticmethod
+    def _by_owner(owned: list, sharded: list, unsharded: list) -> list:
+        """(owner's _parameters, sharded by name, unsharded by name): one dict update each."""
+        forms: dict[int, tuple] = {}
+        for (parameters, name, _), s, u in zip(owned, sharded, unsharded):
+            _, s_by_name, u_by_name = forms.setdefault(id(parameters), (parameters, {}, {}))
+            s_by_name[name], u_by_name[name] = s, u
+        return list(forms.values())
 
     def unshard(self) -> None:
-        self.storage.resize_(self.nbytes)
-        if self.ranks > 1:
-            all_gather_single(self.group, self.gathered.view(-1), self.flat, _GATHER).wait()
-        else:  # as both runtimes, nothing to send
-            self.gathered.view(-1).copy_(self.flat)
-        torch.split_with_sizes_copy(self.gathered, self.sizes, dim=1, out=self.targets)
-        self.linear._parameters.update(self.unsharded)
+        if self.storage is not None:
+            self.storage.resize_(self.nbytes)
+            self.group.allgather_into_tensor_coalesced(self.outputs, self.shards, _GATHER).wait()
+        for parameters, _, unsharded in self.forms:
+            parameters.update(unsharded)
 
     def reshard(self) -> None:
-        self.linear._parameters.update(self.sharded)
-        self.storage.resize_(0)
+        for parameters, sharded, _ in self.forms:
+            parameters.update(sharded)
+        if self.storage is not None:
+            self.storage.resize_(0)
 
     def pre_forward(self, module: nn.Module, args: object) -> None:
         self.unshard()
@@ -81,7 +108,7 @@ class HandShardedLinear:
         output.grad_fn.register_prehook(self.pre_backward)
 
     def pre_backward(self, grads: object) -> None:
-        self.grads_pending = len(self.names)
+        self.grads_pending = self.count
         self.unshard()
 
     def grad_accumulated(self, _param: nn.Parameter) -> None:
@@ -89,25 +116,44 @@ class HandShardedLinear:
         if self.grads_pending:
             return
         grads = []
-        for param in self.unsharded.values():
+        for param in self.unsharded:
             grads.append(param.grad)
             param.grad = None
+        if self.ranks == 1:  # as fsdp_compose: each gradient is its own reduced shard
+            for shard, grad in zip(self.sharded, grads):
+                if shard.grad is None:
+                    shard.grad = grad
+                else:
+                    shard.grad.add_(grad)
+            self.reshard()
+            return
         rows = torch._chunk_cat(grads, dim=0, num_chunks=self.ranks)  # row r: rank r's
         reduced = rows.new_empty(self.flat.numel())
-        if self.ranks > 1:
-            reduce_scatter_single(self.group, reduced, rows.view(-1), _AVERAGE).wait()
-        else:
-            reduced.copy_(rows.view(-1))
-        for name, grad in zip(self.names, torch.split_with_sizes(reduced, self.sizes)):
-            shard = self.sharded[name]
-            if shard.grad is None:
-                shard.grad = grad.view(shard.shape)
-            else:
-                shard.grad.add_(grad.view(shard.shape))
+        reduce_scatter_single(self.group, reduced, rows.view(-1), _AVERAGE).wait()
+        self.add_to_grads(reduced)
         self.reshard()
+
+    def add_to_grads(self, reduced: torch.Tensor) -> None:
+        """Add the reduced shards (padded, back to back) to the shards' `.grad`s: with one op
+        while those are the views of an earlier `reduced` that this made them (gradient
+        accumulation, as fsdp_compose's ledger does), else each on its own."""
+        if self.grad_views and all(s.grad is g for s, g in zip(self.sharded, self.grad_views[1:])):
+            self.grad_views[0].add_(reduced)
+            return
+        views = [reduced]
+        for shard, (shape, stride, offset) in zip(self.sharded, self.grad_geometry):
+            grad = reduced.as_strided(shape, stride, offset)  # one view op for three
+            views.append(grad)
+            if shard.grad is None:
+                shard.grad = grad
+            else:
+                shard.grad.add_(grad)
+        # Kept only when every .grad is now a view of `reduced` (all were None).
+        fresh = all(s.grad is g for s, g in zip(self.sharded, views[1:]))
+        self.grad_views = views if fresh else []
 
 
 def shard_by_hand(model: nn.Sequential) -> None:
-    """Shard each Linear of `model` (its hooks keep their state alive)."""
+    """Shard each module of `model` as a unit (its hooks keep their state alive)."""
     for layer in model:
-        HandShardedLinear(layer)
+        HandShardedUnit(layer)

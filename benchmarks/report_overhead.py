@@ -30,11 +30,12 @@ and reduce-scatter calls, timed in separate rounds; the rest is the runtime's ow
 
 {calls} The fake group still copies every rank's shard into the gathered output{copies}{gloo}
 Next come a skeleton of the same hooks (pre/post-forward, a pre-hook on the output's node,
-a hook on each parameter's gradient accumulation) and the unit's tensor work: copying the
-gathered rows out, chunking the gradients in, and allocating and freeing buffers. A unit's
-shards live in one flat tensor that the all-gather sends as is; its parameters share one
-unsharded storage; the gathered output and the reduce-scatter's input are each one reused
-tensor, shaped once, whose storage is resized per use; a unit whose parameters all train
+a hook on each parameter's gradient accumulation) and the unit's tensor work: chunking the
+gradients in, and allocating and freeing buffers. A unit's shards live in one flat tensor;
+its parameters share one unsharded storage, which the all-gather writes into in place (one
+coalesced call, each parameter's shards straight into its own unsharded data, so nothing is
+copied out); the reduce-scatter's input is one reused tensor, shaped once, whose storage is
+resized per use; a unit whose parameters all train
 learns that its backward is done from hooks on their gradient accumulation, registered once,
 rather than from a view of each input with a node hook made at every forward (which costs
 more, and which units with frozen parameters still pay); a unit swaps the registrations of
@@ -46,7 +47,7 @@ asked of the group or the tensors per call (in this setting every touch of a col
 object or tensor costs tenths of a microsecond); and reduced gradient shards are added with
 one op to `.grad`s that are still views of an earlier reduction. The rest is bookkeeping in
 Python.
-"""
+{blocks}"""
 
 
 def overhead_section(results: dict) -> str:
@@ -87,10 +88,9 @@ def overhead_section(results: dict) -> str:
         batch=config["batch"], commands="\n".join(commands), provenance="\n".join(lines),
         table=table(header, align, rows), spread=overhead_spread(fake),
         goal=overhead_goal(fake), calls=overhead_calls(first),
-        copies=(" (nine tensor ops per all-gather at W = 8)" if fake and fake["config"]["world_size"] == 8
-                else ""),
+        copies=" (in place, a copy per rank and parameter)" if fake else "",
         gloo=overhead_gloo(fake, gloo), traced=overhead_traced(fake),
-        by_hand=overhead_by_hand(fake),
+        by_hand=overhead_by_hand(fake), blocks=overhead_blocks(results),
     )
 
 
@@ -137,8 +137,8 @@ def overhead_by_hand(fake: dict | None) -> str:
     hand, ours = v[BY_HAND]["us_per_unit"], v["fsdp_compose"]["us_per_unit"]
     theirs = v["torch fully_shard"]["us_per_unit"]
     return (f"\n\nThe row \"by hand\" is a unit's work written out with nothing else "
-            f"(`benchmarks/handwritten.py`: the same all-gathers, copies, hooks and "
-            f"reduce-scatter; its gradients are checked equal to fsdp_compose's before the "
+            f"(`benchmarks/handwritten.py`: the same in-place all-gathers, hooks, "
+            f"`_chunk_cat` and reduce-scatter; its gradients are checked equal to fsdp_compose's before the "
             f"timing). It costs {us(hand)} per unit, {hand / theirs:.3f} of FSDP2's: what the work "
             f"of this design costs on this machine with no runtime around it, about the least a "
             f"runtime built on these hooks and collectives can cost. " + (
@@ -180,3 +180,33 @@ def overhead_gloo(fake: dict | None, gloo: dict | None) -> str:
                 f"fsdp_compose's figure, more than the {us(inside)} spent inside them.")
     return (f": removing the collectives altogether (the one-rank gloo column) saves about "
             f"{us(saved)} of fsdp_compose's figure, against {us(inside)} timed inside them.")
+
+
+def overhead_blocks(results: dict) -> str:
+    """The runs with other units or an optimizer step (overhead.py --block, --optimizer),
+    kept in overhead.json beside the default's: one column each."""
+    runs = [r for key, r in results.items() if key not in ("fake", "gloo")]
+    if not runs:
+        return ""
+    header, rows = [""], [[name] for name in ("fsdp_compose", "torch's fully_shard", BY_HAND, "ratio")]
+    commands = []
+    for run in runs:
+        c, v = run["config"], run["variants"]
+        unit = "Linear" if c.get("block", "linear") == "linear" else "transformer block"
+        header.append(f"{c['units']} × {unit}{' + AdamW' if c.get('optimizer') else ''}")
+        for row, name in zip(rows, ("fsdp_compose", "torch fully_shard", BY_HAND)):
+            row.append(us(v[name]["us_per_unit"]) if name in v else "–")
+        rows[-1].append(f"{ratio(v, 'us_per_unit'):.3f}")
+        commands.append(command("python benchmarks/overhead.py", c, f"{c['backend']}, W={c['world_size']}"))
+    first = runs[0]["config"]
+    blocks = (f" on pre-norm transformer blocks of 12 parameters (LayerNorm, fused qkv and output "
+              f"projections, LayerNorm, a 4 × MLP, all with biases; dim {first['dim']}, seq "
+              f"{first.get('seq', '?')})" if any(r["config"].get("block") == "transformer" for r in runs)
+              else "")
+    adamw = (", with \"+ AdamW\" a foreach AdamW step in every contender's step, the unsharded "
+             "model's included (which steps W times the elements the shards do)"
+             if any(r["config"].get("optimizer") for r in runs) else "")
+    return (f"\nA real model's units hold more parameters than a Linear's two. The same measure "
+            f"(median of {first['repeats']} rounds of {first['steps']} steps, {provenance(first)})"
+            f"{blocks}{adamw}:\n\n```bash\n" + "\n".join(commands) + "\n```\n\n"
+            + table(header, "l" + "r" * len(runs), rows) + "\n")

@@ -97,6 +97,23 @@ def test_overhead_benchmark_reports_both_runtimes_and_the_work_by_hand(tmp_path)
         assert variant["calls_per_unit"] == calls and len(variant["step_samples"]) == 3
 
 
+def test_overhead_benchmark_times_transformer_blocks_with_an_optimizer(tmp_path):
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--block", "transformer",
+         "--optimizer", "--units", "2", "--steps", "2", "--repeats", "1", "--out", str(tmp_path)],
+        check=True, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    saved = json.loads((tmp_path / "overhead.json").read_text())  # beside the default's key
+    v = saved["fake, transformer + AdamW"]["variants"]
+    # Gathered in place: still one call per all-gather, for 12 parameters.
+    assert [v[n]["calls_per_unit"] for n in ("torch fully_shard", "fsdp_compose", "by hand")] == [3.0] * 3
+    ours = v["fsdp_compose"]["vs_fsdp2"]
+    assert ours == v["fsdp_compose"]["us_per_unit"] / v["torch fully_shard"]["us_per_unit"]
+    (tmp_path / "overhead.json").write_text(json.dumps({"fake": synthetic_overhead()["fake"], **saved}))
+    page = report_page(tmp_path, tmp_path / "docs")  # below the default run's table
+    assert "| | 2 × transformer block + AdamW |" in page and f"| ratio | {ours:.3f} |" in page
+
+
 def test_hidden_fraction_counts_side_stream_time_under_compute():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from overlap import hidden_fraction
@@ -229,6 +246,15 @@ def synthetic_full_state_dict() -> dict:
     return {"config": config, "models": {"example GPT": row}}
 
 
+def synthetic_gather_in_place() -> dict:
+    config = {**synthetic_full_state_dict()["config"], "rounds": 7, "calls": 20}
+    row = {"flat all-gather + copy-out": 1000.0, "in place": 600.0,
+           "_chunk_cat + flat reduce-scatter": 800.0, "per-parameter reduce-scatters": 1600.0}
+    wider = {**row, "in place": 900.0, "per-parameter reduce-scatters": 1000.0}
+    return {"config": config, "us_per_call": {"gloo": {"64": row, "1024": wider},
+                                               "fake": {"64": row, "1024": wider}}}
+
+
 def write_results(folder: Path, **results: dict) -> Path:
     folder.mkdir()
     for name, result in results.items():
@@ -238,9 +264,15 @@ def write_results(folder: Path, **results: dict) -> Path:
 
 def test_report_puts_the_results_figures_on_the_page(tmp_path, capsys):
     results = write_results(tmp_path / "results", step=synthetic_step(), overhead=synthetic_overhead(),
-                            scale=synthetic_scale(), full_state_dict=synthetic_full_state_dict())
+                            scale=synthetic_scale(), full_state_dict=synthetic_full_state_dict(),
+                            gather_in_place=synthetic_gather_in_place())
     page = report_page(results, tmp_path / "docs")
     assert "missing" not in capsys.readouterr().out
+    # Gathering in place: the timings and the ratios the rule rests on.
+    for said in ("| gloo | 1024 | 1,000 | 900 | 800 | 1,000 |",
+                 "takes 0.60–0.90 × the time of the flat all-gather and its copy-out over gloo",
+                 "over gloo they take 1.25–2.00 × the time of the flat reduce-scatter"):
+        assert said in page, said
     # Whole checkpoints: rank 0's peaks and their ratio.
     assert "| example GPT | 221.7 MiB | 62.5 MiB | 125.1 MiB | 284.5 MiB | **0.44** |" in page
     # Step: the table, the bytes against the floor, what the run was on, and the statements
