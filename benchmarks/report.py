@@ -25,6 +25,7 @@ from pathlib import Path
 
 from report_full_state_dict import full_state_dict_section
 from report_gather import gather_section
+from report_optimizer import optimizer_section
 from report_overhead import overhead_section
 from report_scale import scale_section
 from report_step import plot_step, step_section
@@ -35,6 +36,7 @@ BENCHMARKS = {  # name: the command that writes its JSON
     "scale": "python benchmarks/scale.py",
     "full_state_dict": "torchrun --nproc_per_node=2 benchmarks/full_state_dict.py",
     "gather_in_place": "torchrun --nproc_per_node=2 benchmarks/gather_in_place.py",
+    "optimizer": "python benchmarks/optimizer.py",
 }
 
 HEADER = """\
@@ -53,6 +55,7 @@ python benchmarks/overhead.py --backend gloo     # overhead.json, one gloo rank
 python benchmarks/scale.py                       # scale.json
 torchrun --nproc_per_node=2 benchmarks/full_state_dict.py   # full_state_dict.json
 torchrun --nproc_per_node=2 benchmarks/gather_in_place.py   # gather_in_place.json
+python benchmarks/optimizer.py                   # optimizer.json
 python benchmarks/report.py                      # docs/performance.md and performance.png
 ```
 {missing}"""
@@ -102,6 +105,8 @@ def render(found: dict, missing: list[str], results: Path, figure: str | None) -
         sections.append(overhead_section(found["overhead"]))
     if "scale" in found:
         sections.append(scale_section(found["scale"]))
+    if "optimizer" in found:
+        sections.append(optimizer_section(found["optimizer"]))
     if "gather_in_place" in found:
         sections.append(gather_section(found["gather_in_place"]))
     if "full_state_dict" in found:

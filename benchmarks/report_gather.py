@@ -25,12 +25,17 @@ torchrun --nproc_per_node={world} benchmarks/gather_in_place.py
 {table}
 
 Gathering each parameter straight into its unsharded data, in one coalesced collective,
-takes {gloo_gather} the time of the flat all-gather and its copy-out over gloo, so fsdp_compose
-gathers in place wherever the layout allows (on the fake group it costs {fake_gather}:
-there only the per-tensor bookkeeping is left, which grows with the number of parameters
-and shrinks against the copy as they widen). Per-parameter reduce-scatters would skip the
-`_chunk_cat` into one flat input, and they give the same bits, but over gloo they take
-{gloo_reduce} the time of the flat reduce-scatter, so the reduction keeps its one copy."""
+takes {gloo_gather} the time of the flat all-gather and its copy-out over gloo, and
+{fake_gather} on the fake group: no clear win on the CPU, because neither backend writes
+the outputs in place. Gloo flattens a coalesced gather's inputs and copies each rank's
+rows out inside the collective, so the copy moves into the backend rather than vanishing;
+whole training steps (the step section's run, and paired runs of it with in-place
+gathering switched off) are equal within noise. fsdp_compose gathers in place there all
+the same: it is the path a backend that writes each output in place (NCCL's grouped
+all-gathers) makes copy-free, and the CPU proves it bit for bit. Per-parameter
+reduce-scatters would skip the `_chunk_cat` into one flat input, and they give the same
+bits, but over gloo they take {gloo_reduce} the time of the flat reduce-scatter, so the
+reduction keeps its one copy."""
 
 
 def ratios(by_dim: dict, ours: str, theirs: str) -> str:
