@@ -120,8 +120,10 @@ def all_gather(
     return None
 
 
-# Backends whose coalesced all-gather writes each output in place, and which we run on
-# the CPU (where no side streams order the writes; see unit/layout.py's in-place rule).
+# Backends that gather several tensors into their own outputs as one collective, on the
+# CPU (where no side streams order the writes; see unit/layout.py's in-place rule). Gloo
+# copies the rows out inside the collective: on the CPU this saves no time, and it runs
+# the path that saves the copy on backends writing each output in place (docs/design.md).
 _GATHERS_IN_PLACE = frozenset({"gloo", "fake"})
 
 

@@ -38,8 +38,9 @@ class DtypeFacts:
 @dataclasses.dataclass(frozen=True, slots=True)
 class InPlaceGather:
     """Each parameter gathered straight into its own unsharded data (one all-gather per
-    parameter, all in one coalesced collective): nothing is copied out. Where the backend
-    coalesces and every parameter is sharded on dim 0 in one dtype (see in_place_gather)."""
+    parameter, all in one coalesced collective): the runtime copies nothing out. Where the
+    backend coalesces and every parameter is sharded on dim 0 in one dtype (see
+    in_place_gather)."""
 
     outputs: list[torch.Tensor]  # each parameter's unsharded data, flat, padding last
     shards: list[torch.Tensor]  # each parameter's padded shard: views of the flat shard
