@@ -62,6 +62,22 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+class OpCounter(TorchDispatchMode):
+    """Every op dispatched while active, by name, and the data pointers of the outputs of
+    in-place gathers (ALL_GATHER_EACH): where the gathered parameters live."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+        self.gathered_into: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func._schema.name] += 1
+        if func._schema.name == ALL_GATHER_EACH:
+            self.gathered_into.update(t.data_ptr() for t in args[0])
+        return func(*args, **(kwargs or {}))
+
+
 def first_forward(model: torch.nn.Module, *inputs: torch.Tensor) -> None:
     """Run the first forward untracked: it checks once that the ranks' models agree (a
     gather of their fingerprints), which is not per-step traffic. Then reshard, so the

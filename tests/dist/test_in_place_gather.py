@@ -7,34 +7,16 @@ must (one flat all-gather, copied out), with the same parity."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 from torch.distributed.tensor import Shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
-from tests.dist.counting import ALL_GATHER, ALL_GATHER_EACH
+from tests.dist.counting import ALL_GATHER, ALL_GATHER_EACH, OpCounter
 from tests.dist.parity import per_block, train_and_compare
 from tests.models import Transformer, lm_loss, token_batch
 
 COPIES = ("aten::copy_", "aten::split_with_sizes_copy", "aten::cat", "aten::_chunk_cat")
-
-
-class GatherOutputs(TorchDispatchMode):
-    """Every op's count, and the data pointers of the in-place gathers' outputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter = Counter()
-        self.outputs: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func._schema.name] += 1
-        if func._schema.name == ALL_GATHER_EACH:
-            self.outputs.update(t.data_ptr() for t in args[0])
-        return func(*args, **(kwargs or {}))
 
 
 def dim1_weights(param: torch.nn.Parameter) -> Shard | None:
@@ -61,11 +43,11 @@ def check_forward(setup: str) -> dict[str, object]:
     in_outputs: list[bool] = []
 
     def check_in_outputs(module, args) -> None:
-        in_outputs.extend(p.data_ptr() in ops.outputs for p in module.parameters())
+        in_outputs.extend(p.data_ptr() in ops.gathered_into for p in module.parameters())
 
     for block in model.blocks:
         block.register_forward_pre_hook(check_in_outputs)  # after fully_shard's: unsharded
-    with GatherOutputs() as ops:
+    with OpCounter() as ops:
         lm_loss(model, token_batch(1, 2))
     return {"errors": tuple(errors), "in_outputs": in_outputs, "forward": ops.counts}
 

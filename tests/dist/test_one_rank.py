@@ -6,28 +6,15 @@ single-process model do."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import fully_shard
-from tests.dist.counting import ALL_GATHER, REDUCE_SCATTER
+from tests.dist.counting import ALL_GATHER, REDUCE_SCATTER, OpCounter
 from tests.dist.parity import per_block, train_and_compare
 from tests.models import Transformer, lm_loss, token_batch
 
 COPIES = ("aten::copy_", "aten::split_with_sizes_copy", "aten::_to_copy", "aten::cat",
           "aten::_chunk_cat", "aten::clone")
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def check_one_rank() -> dict[str, object]:
