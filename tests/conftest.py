@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from tests import shifted_torch
+
 TASK_TIMEOUT_S = 120  # a whole test function on every rank
 AFTER_ERROR_S = 10  # how long the other ranks get once one rank has failed
 COLLECTIVE_TIMEOUT_S = 60  # gloo's own timeout: a hung collective raises in the worker
@@ -35,6 +37,7 @@ def _serve(rank: int, world_size: int, init_file: str, tasks: Any, results: Any)
     import torch.distributed as dist
 
     faulthandler.enable()  # a rank that crashes natively prints where, under its test's output
+    shifted_torch.install()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -162,3 +165,41 @@ def ranks() -> Any:
     pools = Ranks()
     yield pools
     pools.close()
+
+
+# The check of the checks (tests/shifted_torch.py): a test that ran torch's shifted
+# fully_shard and passed compares none of torch's values.
+UNCHECKED: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "torch_values_unused(why): runs torch's fully_shard but compares none of "
+        "its values (placements, errors, bytes), so a shifted torch cannot fail it",
+    )
+    if shifted_torch.shift():
+        os.environ[shifted_torch.MARKS_ENV] = tempfile.mkdtemp(prefix="fsdp_compose_shift_")
+        shifted_torch.install()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not shifted_torch.shift():
+        return
+    if shifted_torch.take_marks() and report.passed:
+        if item.get_closest_marker("torch_values_unused") is None:
+            UNCHECKED.append(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if shifted_torch.shift():
+        terminalreporter.section("tests that passed with torch's fully_shard shifted")
+        terminalreporter.line("\n".join(UNCHECKED) or "none")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if shifted_torch.shift():
+        # Under the shift, failures are expected; a passing parity test is the error.
+        session.exitstatus = 1 if UNCHECKED else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -15,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -75,6 +77,22 @@ def three_models(
     return ref, ours, theirs
 
 
+def two_models(
+    make_model: Callable[[], nn.Module],
+    mesh: DeviceMesh | None = None,
+    wrap: Callable[[nn.Module, Shard], None] = per_block,
+    **shard_kwargs: object,
+) -> tuple[nn.Module, nn.Module]:
+    """The reference and ours (see three_models), for what torch's fully_shard cannot run
+    or the test does not compare with it: torch's is then not built at all."""
+    mesh = mesh or make_mesh()
+    torch.manual_seed(0)  # same init on every rank
+    ref = make_model()
+    ours = copy.deepcopy(ref)
+    wrap(ours, lambda m, **kw: fully_shard(m, **{"mesh": mesh, **shard_kwargs, **kw}))
+    return ref, ours
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if not a.numel():
         return 0.0
@@ -83,7 +101,31 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    """`t` whole, on the CPU. A DTensor's local shard moves to the CPU first and is gathered
+    over a CPU mesh of the same ranks: torch 2.11's functional collectives crash on CUDA
+    tensors over gloo (ranks sharing a GPU), and CPU runs compare through the same code."""
+    if not isinstance(t, DTensor):
+        return t.detach().cpu()
+    local = t.to_local().detach().cpu()
+    on_cpu = DTensor.from_local(
+        local, cpu_mesh(t.device_mesh), t.placements, shape=t.shape, stride=t.stride()
+    )
+    return on_cpu.full_tensor()
+
+
+def cpu_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """`mesh` itself on the CPU, else a CPU mesh over the same ranks (made once)."""
+    if mesh.device_type == "cpu":
+        return mesh
+    return _cpu_mesh(tuple(map(tuple, mesh.mesh.reshape(mesh.ndim, -1).tolist())),
+                     tuple(mesh.mesh.shape), mesh.mesh_dim_names)
+
+
+@functools.cache
+def _cpu_mesh(
+    ranks: tuple[tuple[int, ...], ...], shape: tuple[int, ...], names: tuple[str, ...] | None
+) -> DeviceMesh:
+    return DeviceMesh("cpu", torch.tensor(ranks).reshape(shape), mesh_dim_names=names)
 
 
 def rank_share(batch: torch.Tensor) -> torch.Tensor:
@@ -158,8 +200,8 @@ def spmd_diffs(
     vs_torch = vs_ref = 0.0
     for p, q, r in zip(ours.parameters(), theirs.parameters(), ref.parameters()):
         a, b, c = (p.grad, q.grad, r.grad) if grads else (p, q, r)
-        vs_torch = max(vs_torch, max_diff(a.full_tensor(), b.full_tensor()))
-        vs_ref = max(vs_ref, max_diff(a.full_tensor(), c))
+        vs_torch = max(vs_torch, max_diff(full(a), full(b)))
+        vs_ref = max(vs_ref, max_diff(full(a), full(c)))
     return vs_torch, vs_ref
 
 
@@ -172,14 +214,18 @@ def train_and_compare(
     reference_tolerance: dict[str, float] | None = None,
     mesh_shape: tuple[int, ...] | None = None,
     shard_fns: tuple[Shard, Shard] = (fully_shard, torch_fully_shard),
+    torch_differs: str | None = None,
     **shard_kwargs: object,
 ) -> ParityErrors:
-    """AdamW steps three ways; assert equal names, losses, parameters and gradients.
+    """AdamW steps three ways; assert equal names, losses, parameters and gradients: close
+    to the single-process reference, and exactly equal (0.0) to torch's fully_shard.
 
     `reference_tolerance`: assert_close's rtol/atol against the float32 single-process
     reference (its defaults when None), for runs that compute in lower precision.
     `mesh_shape`: the mesh passed to every call (default: 1-D over all ranks); `wrap` may
-    pass another. `shard_fns`: ours and torch's annotation functions.
+    pass another. `shard_fns`: ours and torch's annotation functions. `torch_differs`: why
+    this run may differ from torch's (torch lacks the feature or differs on purpose); the
+    difference is then only returned, for the caller to bound.
     """
     tolerance = reference_tolerance or {}
     world = dist.get_world_size()
@@ -202,4 +248,8 @@ def train_and_compare(
         optimizer_step(optims)
         vs_ref = max(vs_ref, assert_close_to(ours, ref, where=step, **tolerance))
         vs_torch = max(vs_torch, max_diff_to(ours, theirs))
+    assert torch_differs is not None or vs_torch == 0.0, (
+        f"differs from torch's fully_shard by {vs_torch} (losses, gradients, parameters); "
+        "pass torch_differs='why' where that is by design"
+    )
     return ParityErrors(vs_ref, vs_torch)

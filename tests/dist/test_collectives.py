@@ -6,6 +6,7 @@ import copy
 from collections import Counter
 from typing import NamedTuple
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -50,6 +51,7 @@ def check_counts(reshard_after_forward: bool, forwards: int) -> tuple[Counts, Co
     return count_step(ours, forwards), count_step(theirs, forwards)
 
 
+@pytest.mark.torch_values_unused("counts collectives and bytes against torch's")
 def test_one_all_gather_per_unit_and_one_reduce_scatter_per_backward(ranks):
     ours, theirs = ranks.run(check_counts, reshard_after_forward=True, forwards=1)[0]
     # Forward gathers all 4 units; backward re-gathers the 3 resharded blocks, not the
@@ -57,11 +59,13 @@ def test_one_all_gather_per_unit_and_one_reduce_scatter_per_backward(ranks):
     assert ours == Counts(4, 3, 4) == theirs
 
 
+@pytest.mark.torch_values_unused("counts collectives against torch's")
 def test_no_backward_all_gather_without_reshard_after_forward(ranks):
     ours, theirs = ranks.run(check_counts, reshard_after_forward=False, forwards=1)[0]
     assert ours == Counts(4, 0, 4) == theirs
 
 
+@pytest.mark.torch_values_unused("counts collectives against torch's")
 def test_two_forwards_reduce_each_unit_once(ranks):
     ours, theirs = ranks.run(check_counts, reshard_after_forward=True, forwards=2)[0]
     # The second forward gathers the 3 resharded blocks again (the root stayed unsharded);

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compose import FSDPModule, fully_shard, register_fsdp_forward_method
 from tests.dist.parity import (
-    assert_close_to, backward, max_diff_to, optimizer_step, rank_share, three_models,
+    assert_close_to, backward, max_diff_to, optimizer_step, rank_share, three_models, two_models,
     train_and_compare,
 )
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
@@ -324,7 +324,7 @@ def test_ignored_params_stay_whole_and_local(ranks):
 
 
 def check_explicit_unshard_and_reshard() -> None:
-    ref, ours, _ = three_models(MLP)
+    ref, ours = two_models(MLP)
     handle = ours.layers[0].unshard(async_op=True)
     handle.wait()
     weight = ours.layers[0].weight
@@ -365,7 +365,7 @@ def check_gradient_divide_factors() -> None:
     world = dist.get_world_size()
     grads = []
     for setting in ("default", "sum", "force_sum", "deprecated_sum"):
-        _, ours, _ = three_models(MLP)
+        _, ours = two_models(MLP)  # torch's needs PREMUL_SUM, which gloo lacks
         for module in ours.modules():
             if isinstance(module, FSDPModule) and setting == "sum":
                 module.set_gradient_divide_factor(1.0)
@@ -381,7 +381,7 @@ def check_gradient_divide_factors() -> None:
         torch.testing.assert_close(forced, default)
         assert torch.equal(deprecated, summed)
     # Changed between backwards, the factor applies from the next reduction on.
-    _, ours, _ = three_models(MLP)
+    _, ours = two_models(MLP)
     batch = rank_share(feature_batch(0, 2 * world))
     mse_loss(ours, batch).backward()
     ours.zero_grad()
@@ -398,14 +398,17 @@ def test_gradient_divide_factor_and_forced_sum(ranks):
 
 
 def check_reshard_after_backward_false() -> None:
-    ref, ours, _ = three_models(MLP)
-    ours.set_reshard_after_backward(False)
-    backward((ref, ours), feature_batch(0, 2 * dist.get_world_size()), mse_loss)
+    models = ref, ours, theirs = three_models(MLP)
+    for model in (ours, theirs):
+        model.set_reshard_after_backward(False)
+    backward(models, feature_batch(0, 2 * dist.get_world_size()), mse_loss)
     assert all(type(p) is nn.Parameter for p in ours.parameters()), "resharded after backward"
-    for layer in ours.layers:
-        layer.reshard()
-    ours.reshard()
+    for model in (ours, theirs):
+        for layer in model.layers:
+            layer.reshard()
+        model.reshard()
     assert_close_to(ours, ref, grads=True)
+    assert max_diff_to(ours, theirs, grads=True) == 0.0
 
 
 def test_reshard_after_backward_false_keeps_unsharded(ranks):

@@ -42,3 +42,31 @@ def test_transformer_trains_like_single_process_and_torch(ranks, world_size):
     for errors in ranks.run(check_transformer_parity, world_size=world_size):
         for reshard, (_, vs_torch) in errors:
             assert vs_torch <= TORCH_TOLERANCE, (reshard, vs_torch)
+
+
+def shifted_torch_fully_shard(module, **kwargs) -> None:
+    """torch's fully_shard, then every shard it made moved by 1e-3."""
+    import torch
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch_fully_shard(module, **kwargs)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.to_local().add_(1e-3)
+
+
+def check_the_helper_fails_on_a_shifted_reference() -> str:
+    from fsdp_compose import fully_shard
+
+    with pytest.raises(AssertionError, match="differs from torch's fully_shard by") as failed:
+        train_and_compare(MLP, mse_loss, feature_batch, shard_fns=(fully_shard, shifted_torch_fully_shard))
+    # A run that differs from torch's on purpose says why, and gets the difference back.
+    errors = train_and_compare(MLP, mse_loss, feature_batch, torch_differs="shifted by 1e-3",
+                               shard_fns=(fully_shard, shifted_torch_fully_shard))
+    assert errors.vs_torch >= 1e-3 / 2, errors
+    return str(failed.value)
+
+
+def test_the_parity_helper_fails_when_torchs_run_differs_by_1e_3(ranks):
+    for message in ranks.run(check_the_helper_fails_on_a_shifted_reference, world_size=2):
+        assert "pass torch_differs='why'" in message

@@ -155,6 +155,7 @@ def check_lora_order() -> tuple[list, list]:
                  for shard in (fully_shard, torch_fully_shard))
 
 
+@pytest.mark.torch_values_unused("compares the order of reductions with torch's")
 def test_units_with_frozen_parameters_reduce_after_their_inputs_backward(ranks):
     """The LoRA units reduce where torch's do, after their inputs' backward; the root,
     whose parameters (the head) all train, as soon as they have their gradients."""
@@ -175,6 +176,7 @@ def check_sometimes_unused_order() -> tuple[list, list]:
                  for shard in (fully_shard, torch_fully_shard))
 
 
+@pytest.mark.torch_values_unused("compares the order of reductions with torch's")
 def test_a_unit_that_left_a_parameter_without_gradient_reduces_after_its_inputs(ranks):
     """Step 1 uses every parameter: each unit reduces with its last gradient, in torch's
     order. Step 2 leaves layer 1's extra parameter without one: the unit reduces at the end

@@ -62,6 +62,7 @@ def check_gather_order() -> tuple[list[int], list[int]]:
     return gather_order(fully_shard), gather_order(torch_fully_shard)
 
 
+@pytest.mark.torch_values_unused("compares the order of all-gathers with torch's")
 def test_prefetch_issues_all_gathers_in_torchs_order(ranks):
     ours, theirs = ranks.run(check_gather_order, world_size=2)[0]
     # Layers 8->7, 7->5, 5->3, 3->1 padded for 2 ranks gather 72, 48, 24 and 8 elements.
@@ -86,6 +87,7 @@ def check_implicit_backward_order() -> tuple[list[int | str], list[int | str]]:
                  for shard in (fully_shard, torch_fully_shard))
 
 
+@pytest.mark.torch_values_unused("compares the order of all-gathers with torch's")
 def test_backward_prefetches_implicitly_in_torchs_order(ranks):
     ours, theirs = ranks.run(check_implicit_backward_order, world_size=2)[0]
     backward = ours[ours.index(8) + 2 :]

@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard
 from fsdp_compose import clip_grad_norm_, fully_shard
 from tests.dist.parity import (
     backward, full, make_mesh, max_diff_to, optimizer_step, three_models, train_and_compare,
+    two_models,
 )
 from tests.dist.counting import ALL_GATHER, CollectiveCounter
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
@@ -59,7 +60,7 @@ def test_trains_like_torch_fully_shard(ranks, name):
 
 
 def check_shards_sit_on_the_dim() -> dict[str, tuple[int, tuple[int, ...]]]:
-    _, ours, _ = three_models(Transformer, shard_placement_fn=shard_dim_1)
+    _, ours = two_models(Transformer, shard_placement_fn=shard_dim_1)
     return {
         fqn: (p.placements[0].dim, tuple(p.to_local().shape))
         for fqn, p in ours.named_parameters()
@@ -77,8 +78,8 @@ def test_shard_and_its_local_shape(ranks):
 def check_checkpoint_reshards(path: str) -> tuple[float, float]:
     """Saved sharded on dim 1, loaded into a model sharded on dim 0 (DCP reshards), and the
     other way round; then one more step of each agrees with torch's on the same loads."""
-    _, on_dim_1, _ = three_models(Transformer, shard_placement_fn=shard_dim_1)
-    _, on_dim_0, _ = three_models(Transformer)
+    _, on_dim_1 = two_models(Transformer, shard_placement_fn=shard_dim_1)
+    _, on_dim_0 = two_models(Transformer)
     with torch.no_grad():
         for p in on_dim_1.parameters():
             p.mul_(1.5)  # different values from the fresh models it is loaded into
@@ -200,7 +201,7 @@ def test_parameters_on_their_own_mesh(ranks, reshard_after_forward):
 def trained_on_dim_1(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The Transformer sharded on dim 1 over every rank, after two AdamW steps on data
     seeded by `seed` (the same whole batch at any world size)."""
-    _, model, _ = three_models(Transformer, shard_placement_fn=shard_dim_1)
+    _, model = two_models(Transformer, shard_placement_fn=shard_dim_1)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         lm_loss(model, token_batch(seed + step, 4)).backward()
