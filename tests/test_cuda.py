@@ -158,19 +158,60 @@ def test_stalled_streams_change_nothing(prefetch):
     assert_same_training(stalled, calm, train(stalled, 3, stall=True), train(calm, 3), rtol=0, atol=0)
 
 
+class PlainGather:
+    """all_gather_into_tensor as is: at one rank, a unit gathers nothing by itself (its
+    shards are its unsharded parameters), so a custom all-gather makes it gather."""
+
+    def __call__(self, output, input, group, async_op=False):
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
 def test_a_gather_does_not_wait_for_compute():
     model = shard(new_model(), fully_shard)
+    for module in [*model.blocks, model]:
+        module.set_custom_all_gather(PlainGather())
     train(model, 1)
     unit = model.blocks[1]._state().unit
     torch.cuda.synchronize()
     torch.cuda._sleep(50 * STALL_CYCLES)  # the compute stream is busy for about half a second
     unit.unshard(async_op=True)
-    unit.parts[0].gatherer._pending.work.synchronize()  # the gather's event, on its stream
+    pending = unit.parts[0].gatherer._pending
+    assert pending is not None and pending.work is not None, "the unit gathered nothing"
+    pending.work.synchronize()  # the gather's event, on its stream
     assert not torch.cuda.current_stream().query(), "the gather waited for the compute stream"
     unit.wait_for_unshard()
     unit.reshard()
     torch.cuda.synchronize()
 
+
+@pytest.mark.parametrize("own_stream", [False, True], ids=["reduce-scatter stream", "own stream"])
+def test_the_all_reduce_hook_runs_off_the_compute_stream(own_stream):
+    """As torch's: on the reduction's side stream, or on the stream given; the gradients
+    wait for it. A summed reduction the hook averages trains bit for bit as torch's."""
+    stream = torch.cuda.Stream() if own_stream else None
+    seen: list[torch.cuda.Stream] = []
+
+    def average(reduced: torch.Tensor, record: bool) -> None:
+        if record:
+            seen.append(torch.cuda.current_stream())
+        torch.cuda._sleep(STALL_CYCLES // 4)  # late: a missing wait would lose the division
+        reduced.div_(2.0)
+
+    models = []
+    for fn in (fully_shard, torch_fully_shard):
+        model = shard(new_model(), fn)
+        for module in [*model.blocks, model]:
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)
+            module.set_all_reduce_hook(lambda t, ours=fn is fully_shard: average(t, ours),
+                                       stream=stream)
+        models.append(model)
+    ours, theirs = models
+    assert_same_training(ours, theirs, train(ours, 3), train(theirs, 3), rtol=0, atol=0)
+    compute = torch.cuda.current_stream()
+    assert seen and all(s != compute for s in seen)
+    if own_stream:
+        assert all(s == stream for s in seen)
 
 
 PLAN_AGAINST_ONE_GPU = """

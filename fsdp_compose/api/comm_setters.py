@@ -89,7 +89,9 @@ class CommSetters:
         """Gather this unit's parameters with `comm(output, input, group, async_op=False)`
         (returning a Work or None) instead of all_gather_single; `comm.allocate(size, *,
         dtype, device)`, if defined, allocates the output. torch's AllGather interface."""
-        _one_mesh(self, "set_custom_all_gather").custom_all_gather = comm
+        part = _one_mesh(self, "set_custom_all_gather")
+        part.custom_all_gather = comm
+        part.layout = None  # at one rank too, the gather runs through `comm`: see Layout
 
     def set_custom_reduce_scatter(self, comm: CustomComm) -> None:
         """Reduce this unit's gradients with `comm(output, input, group, op,
@@ -100,17 +102,17 @@ class CommSetters:
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call `hook(reduced)` on this unit's reduced gradients (the reduce-scatter output,
         or the all-reduce output with HSDP) before the final division: e.g. an all-reduce
-        across another dimension. It must modify the buffer in place. The hook runs on the
-        current stream once the reduction is done (on an accelerator the reduce-scatter
-        runs on a side stream, which the current stream waits for first): `stream` must be
-        None."""
-        if stream is not None:
-            raise ValueError(
-                f"{type(self).__name__}.set_all_reduce_hook: fsdp_compose runs the hook on the "
-                "current stream once the reduction is done; pass stream=None."
+        across another dimension. It must modify the buffer in place. On an accelerator it
+        runs right after the reduction on the reduce-scatter stream, or on `stream` (which
+        first waits for the reduction; the gradients then wait for it), as torch's; on the
+        CPU, once the reduction is done."""
+        if stream is not None and not callable(getattr(stream, "wait_stream", None)):
+            raise TypeError(
+                f"{type(self).__name__}.set_all_reduce_hook: stream must be a torch.Stream "
+                f"or None, got {type(stream).__name__}."
             )
-        _one_mesh(self, "set_all_reduce_hook").reducer.all_reduce_hook = hook
-
+        reducer = _one_mesh(self, "set_all_reduce_hook").reducer
+        reducer.all_reduce_hook, reducer.all_reduce_hook_stream = hook, stream
     def set_all_gather_codec(
         self, codec: AllGatherCodec | None, params: list[str] | None = None
     ) -> None:
@@ -140,7 +142,7 @@ class CommSetters:
         for state in self._states(recurse):
             for part in state.unit.parts:
                 group = part.mesh.shard_group
-                part.reducer.group = separate_group(group) if enable else group
+                part.reducer.set_group(separate_group(group) if enable else group)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         _not_yet(self, "allocating communication buffers from the process group (CUDA)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ class GradReduction(NamedTuple):
     shard group, all-reduce with `all_reduce_op` across replicas (HSDP), divide after."""
 
     pre_scale: float | None
-    op: ReduceOp.RedOpType
+    op: ReduceOp.RedOpType | ReduceOp  # a ReduceOp: PREMUL_SUM with its factor
     all_reduce_op: ReduceOp.RedOpType
     post_divide: float | None
     # The process group's options for `op`, synchronous and asynchronous, built once:
@@ -35,7 +35,7 @@ class GradReduction(NamedTuple):
 
 
 def _reduction(
-    pre_scale: float | None, op: ReduceOp.RedOpType, all_reduce_op: ReduceOp.RedOpType,
+    pre_scale: float | None, op: ReduceOp.RedOpType | ReduceOp, all_reduce_op: ReduceOp.RedOpType,
     post_divide: float | None,
 ) -> GradReduction:
     options = tuple(_reduce_scatter_options(op, async_op) for async_op in (False, True))
@@ -45,15 +45,16 @@ def _reduction(
 @functools.cache  # a unit asks at every reduction, with the same arguments
 def grad_reduction(
     shard_size: int, replicate_size: int, dtype: torch.dtype, divide_factor: float | None,
-    force_sum: bool,
+    force_sum: bool, premul_sum: bool = False,
 ) -> GradReduction:
     """The reduction that divides summed gradients by `divide_factor` (default: the number
     of data-parallel ranks, shard_size * replicate_size).
 
-    The backend's own AVG is cheapest; a custom factor is a pre-scaled SUM (the math of
-    ReduceOp.PREMUL_SUM, which gloo lacks); `force_sum` keeps the wire op a plain SUM and
-    divides afterwards. In float16, whose range is narrow, the division is split around the
-    SUM (about sqrt(factor) before, the rest after) so neither the sum overflows nor the
+    The backend's own AVG is cheapest; a custom factor is ReduceOp.PREMUL_SUM where the
+    backend has it (`premul_sum`: NCCL fuses the scaling into the reduce-scatter), else a
+    pre-scaled SUM, its math (gloo); `force_sum` keeps the wire op a plain SUM and divides
+    afterwards. In float16, whose range is narrow, the division is split around the SUM
+    (about sqrt(factor) before, the rest after) so neither the sum overflows nor the
     pre-scaled gradients underflow. The same choices as torch's fully_shard.
     """
     ranks = shard_size * replicate_size
@@ -66,6 +67,8 @@ def grad_reduction(
             return _reduction(None, op, op, None)
         if factor == shard_size:
             return _reduction(None, ReduceOp.AVG, sum_, None)
+        if premul_sum:
+            return _reduction(None, ReduceOp.PREMUL_SUM(1.0 / factor), sum_, None)
         return _reduction(1.0 / factor, sum_, sum_, None)
     if dtype in (torch.float32, torch.bfloat16):
         return _reduction(None, sum_, sum_, factor)
@@ -74,6 +77,15 @@ def grad_reduction(
         pre *= 2
     post = factor / pre
     return _reduction(1.0 / pre if pre != 1 else None, sum_, sum_, post if post != 1 else None)
+
+
+# Backends whose reduce-scatter takes ReduceOp.PREMUL_SUM (gloo refuses it).
+_PREMUL_SUM_BACKENDS = frozenset({"nccl"})
+
+
+def has_premul_sum(group: ProcessGroup) -> bool:
+    """Whether `group`'s backend reduces with ReduceOp.PREMUL_SUM."""
+    return dist.get_backend(group) in _PREMUL_SUM_BACKENDS
 
 
 # A user's all-gather or reduce-scatter for one unit (FSDPModule.set_custom_all_gather /
@@ -187,9 +199,11 @@ def _all_gather_options(async_op: bool) -> AllgatherOptions:
 _ALL_GATHER_OPTIONS = (_all_gather_options(False), _all_gather_options(True))
 
 
-def _reduce_scatter_options(op: ReduceOp.RedOpType, async_op: bool) -> dist.ReduceScatterOptions:
+def _reduce_scatter_options(
+    op: ReduceOp.RedOpType | ReduceOp, async_op: bool
+) -> dist.ReduceScatterOptions:
     options = dist.ReduceScatterOptions()
-    options.reduceOp = ReduceOp(op)  # what assigning `op` converts it to
+    options.reduceOp = op if isinstance(op, ReduceOp) else ReduceOp(op)  # as assigning converts
     options.asyncOp = async_op
     return options
 
@@ -213,6 +227,16 @@ def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:
 
 
 T = TypeVar("T")
+
+
+def every_rank(obj: T) -> list[T]:
+    """Every rank's `obj`, by rank, over the default group (pickled: for small, once-per-
+    call verdicts); `[obj]` without a process group."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered: list[T | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return cast("list[T]", gathered)
 
 
 def broadcast_object(obj: T) -> T:

@@ -93,6 +93,15 @@ class SideStreams:
     def reduced(self) -> torch.Event:
         return self.reduce_scatter.record_event()
 
+    @contextmanager
+    def detour(self, stream: torch.Stream) -> Iterator[None]:
+        """`stream` (a user's, for an all-reduce hook), current, after what the
+        reduce-scatter stream queued; the reduce-scatter stream then waits for it."""
+        stream.wait_stream(self.reduce_scatter)
+        with self._module.stream(stream):
+            yield
+        self.reduce_scatter.wait_stream(stream)
+
 
 @functools.cache  # one pair of streams per device, shared by every unit on it
 def side_streams(device: torch.device) -> SideStreams | None:

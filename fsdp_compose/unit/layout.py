@@ -61,7 +61,8 @@ class Layout:
     registrations: list[OwnerForms]
     extended: list[ShardedParam]  # with all-gather hooks: see param/extension.py
     # A group of one rank whose shards are already what computes (dtype, device, no codec,
-    # no hooks): the unsharded parameters are views of the shards; nothing is gathered.
+    # no hooks, no custom all-gather): the unsharded parameters are views of the shards;
+    # nothing is gathered.
     zero_copy: bool
     in_place: InPlaceGather | None
 
@@ -79,12 +80,14 @@ def dtype_facts(params: list[ShardedParam]) -> DtypeFacts:
 
 def lay_out(
     params: list[ShardedParam], mesh: UnitMesh, sizes: list[int], label: str,
-    refuse_unhooked: bool, has_codecs: bool,
+    refuse_unhooked: bool, customised: bool,
 ) -> Layout | None:
     """Lay `params` out over `mesh` (`sizes`: each one's padded shard). The unsharded
     storages come back freed. None when a tensor-subclass shard has no all-gather hooks
     yet and not `refuse_unhooked` (fully_shard lays out at once; the hooks may be
-    attached after it, before the first gather, which then refuses the subclass)."""
+    attached after it, before the first gather, which then refuses the subclass).
+    `customised`: codecs or a user's all-gather take part, so a gather must run even at
+    one rank."""
     if not _find_extensions(params, mesh, label, refuse_unhooked):
         return None
     extended = [p for p in params if p.extension is not None]
@@ -92,7 +95,7 @@ def lay_out(
     rows, numel, device = mesh.shard_size, sum(sizes), mesh.device
     flat = None if extended else flat_shards(params, numel)
     gather_spec = None if flat is None else ((rows, numel), dtypes.param_dtype, device)
-    zero_copy = rows == 1 and not extended and not has_codecs and all(
+    zero_copy = rows == 1 and not extended and not customised and all(
         (p.padded_shard.dtype, p.padded_shard.device) == (p.param_dtype, device) for p in params
     )
     buffers: list[torch.Tensor] = []
@@ -120,19 +123,19 @@ def lay_out(
         registrations=forms_by_owner(r for p in params for r in p.registrations()),
         extended=extended,
         zero_copy=zero_copy,
-        in_place=None if zero_copy else in_place_gather(params, mesh, flat, dtypes, has_codecs),
+        in_place=None if zero_copy else in_place_gather(params, mesh, flat, dtypes, customised),
     )
 
 
 def in_place_gather(
     params: list[ShardedParam], mesh: UnitMesh, flat: torch.Tensor | None, dtypes: DtypeFacts,
-    has_codecs: bool,
+    customised: bool,
 ) -> InPlaceGather | None:
     """Gather in place when the backend can (comm.collectives.gathers_in_place) and each
     parameter's gathered rows, rank after rank, are its unsharded data: sharded on dim 0
     (padding last), one dtype, sent as is (no codec, hooks or complex pairs). Else None:
     one all-gather of the flat shard, copied out (docs/performance.md measures both)."""
-    if not (mesh.gathers_in_place and mesh.shard_size > 1) or flat is None or has_codecs:
+    if not (mesh.gathers_in_place and mesh.shard_size > 1) or flat is None or customised:
         return None
     if dtypes.mixed_dtypes or dtypes.is_complex or any(p.layout.dim != 0 for p in params):
         return None

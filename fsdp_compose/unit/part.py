@@ -62,7 +62,8 @@ class MeshPart:
         if (problem := self.meta_problem()) is not None:
             raise RuntimeError(problem)
         self.layout = lay_out(
-            self.params, self.mesh, self.sizes, self.label, refuse_unhooked, bool(self.codecs)
+            self.params, self.mesh, self.sizes, self.label, refuse_unhooked,
+            bool(self.codecs) or self.custom_all_gather is not None,
         )
         self.gatherer.layout_changed()
         return self.layout

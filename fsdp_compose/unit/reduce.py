@@ -14,15 +14,16 @@ from ..comm.buffer import ReusedBuffer
 from ..comm.collectives import (
     CustomComm,
     GradReduction,
-    all_reduce,
     allocate,
     collective_failed,
     grad_reduction,
+    has_premul_sum,
     reduce_scatter,
 )
 from ..param.sharded_param import ShardedParam
 from .held import REDUCE_INPUT, REDUCE_OUTPUT
 from .layout import BufferSpec, DtypeFacts, dtype_facts
+from .replicas import combine_replicas
 
 if TYPE_CHECKING:  # the part owns its reducer
     from .part import MeshPart
@@ -39,9 +40,10 @@ class _Reduction(NamedTuple):
     sizes: list[int]  # each parameter's padded shard
     reduction: GradReduction
     # HSDP: whether the output holds final shards (False: partial sums kept without an
-    # all-reduce), when _combine_replicas ran already: on side streams, right after the
+    # all-reduce), when combine_replicas ran already: on side streams, right after the
     # reduce-scatter. None on the CPU, where it runs once the reduce-scatter is waited for.
     final: bool | None
+    post_reduced: bool  # the hook and post-divide ran (on side streams: see _post_reduce)
 
 
 class Reducer:
@@ -54,8 +56,10 @@ class Reducer:
         self.force_sum_reduction = False
         self.requires_all_reduce = True
         self.reduce_scatter_unused_params = False
-        # Run on each reduced gradient buffer before the final division (set_all_reduce_hook).
+        # Run on each reduced gradient buffer before the final division (set_all_reduce_hook),
+        # on the reduce-scatter stream or on `all_reduce_hook_stream`.
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: torch.Stream | None = None
         self.group: ProcessGroup = part.mesh.shard_group  # or a separate one (a setter)
         self.custom_reduce_scatter: CustomComm | None = None
         # How gradients are averaged, for the dtypes it was made for: see _grad_reduction.
@@ -76,6 +80,10 @@ class Reducer:
         ranks); with `force_sum`, reduce with a plain SUM and divide afterwards."""
         self.gradient_divide_factor, self.force_sum_reduction = divide_factor, force_sum
         self._reduction = None
+
+    def set_group(self, group: ProcessGroup) -> None:
+        """Reduce-scatter over `group` (the same ranks: a separate group, or the mesh's)."""
+        self.group, self._reduction = group, None  # its backend may reduce otherwise
 
     def reduce_grads(self) -> bool:
         """Start averaging the unsharded gradients over the mesh; `finish_reduction` puts
@@ -103,23 +111,34 @@ class Reducer:
             if observer is not None:
                 observer.end(part, _observer.ISSUE_REDUCE, 0)
             return True
+        self._pending = self._start(params, grads, dtypes, reduction)
+        if observer is not None:
+            observer.end(part, _observer.ISSUE_REDUCE, self._pending.input.nbytes)
+        return True
+
+    def _start(
+        self, params: list[ShardedParam], grads: list[torch.Tensor], dtypes: DtypeFacts,
+        reduction: GradReduction,
+    ) -> _Reduction:
+        """Issue the reduce-scatter of `grads`; on side streams also HSDP's all-reduce, the
+        all-reduce hook and the post-divide, on the reduce-scatter stream (as torch runs
+        them on its reduction streams, off the compute stream)."""
+        part = self._part
         rows, flat, sizes = self._chunked(params, grads, dtypes)
         numel = flat.numel() // part.mesh.shard_size
-        side = part.streams
-        final = None
+        side, final = part.streams, None
         work: Work | torch.Event | None
         if side is None:
             reduced, work = self._reduce_scatter(flat, numel, reduction, dtypes, async_op=True)
         else:
-            with side.reducing():
+            with side.reducing():  # all on this stream: overlaps compute
                 reduced, _ = self._reduce_scatter(flat, numel, reduction, dtypes, async_op=False)
-                if part.mesh.replicate_group is not None:  # on this stream: overlaps compute
-                    final = self._combine_replicas(params, sizes, reduced, reduction)
+                if part.mesh.replicate_group is not None:
+                    final = combine_replicas(part, params, sizes, reduced, reduction, self.requires_all_reduce)
+                if final is not False:
+                    self._post_reduce(reduced, reduction)
                 work = side.reduced()
-        self._pending = _Reduction(work, rows, reduced, params, sizes, reduction, final)
-        if observer is not None:
-            observer.end(part, _observer.ISSUE_REDUCE, rows.nbytes)
-        return True
+        return _Reduction(work, rows, reduced, params, sizes, reduction, final, side is not None)
 
     def _chunked(
         self, params: list[ShardedParam], grads: list[torch.Tensor], dtypes: DtypeFacts
@@ -170,6 +189,7 @@ class Reducer:
             reduction = grad_reduction(
                 mesh.shard_size, mesh.replicate_size, dtypes.reduce_dtype,
                 self.gradient_divide_factor, self.force_sum_reduction,
+                has_premul_sum(self.group),
             )
             self._reduction = reduction, dtypes.reduce_dtype
         return self._reduction[0]
@@ -239,37 +259,26 @@ class Reducer:
         if part.mesh.replicate_group is not None:
             final = pending.final
             if final is None:
-                final = self._combine_replicas(pending.params, pending.sizes, reduced, reduction)
+                final = combine_replicas(
+                    part, pending.params, pending.sizes, reduced, reduction, self.requires_all_reduce
+                )
             if not final:
                 return
-        if self.all_reduce_hook is not None:
-            self.all_reduce_hook(reduced)
-        if reduction.post_divide is not None:
-            reduced.div_(reduction.post_divide)
+        if not pending.post_reduced:
+            self._post_reduce(reduced, reduction)
         part.grads.hold(pending.params, pending.sizes, reduced)
 
-    def _combine_replicas(
-        self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor,
-        reduction: GradReduction,
-    ) -> bool:
-        """HSDP: add each parameter's partial sum from earlier reductions to its reduced
-        shard and all-reduce across replicas, or, without all-reduce, keep the shards as
-        partial sums. Returns whether `reduced` holds final shards."""
-        mesh, ledger = self._part.mesh, self._part.grads
-        shards = list(zip(params, torch.split_with_sizes(reduced, sizes)))
-        for p, shard in shards:
-            if (partial := ledger.take_partial(p)) is not None:
-                shard.add_(partial)
-        if not self.requires_all_reduce:
-            ledger.keep_partial(shards)
-            return False
-        assert mesh.replicate_group is not None
-        try:
-            all_reduce(reduced, reduction.all_reduce_op, mesh.replicate_group)
-        except RuntimeError as error:
-            raise collective_failed(self._part.label, "all-reduce", mesh.replicate_size, error) from error
-        ledger.spend_partial(p for p, _ in shards)
-        return True
+    def _post_reduce(self, reduced: torch.Tensor, reduction: GradReduction) -> None:
+        """The all-reduce hook, then the division left after the reduction."""
+        if (hook := self.all_reduce_hook) is not None:
+            side, stream = self._part.streams, self.all_reduce_hook_stream
+            if side is not None and stream is not None:
+                with side.detour(stream):
+                    hook(reduced)
+            else:
+                hook(reduced)
+        if reduction.post_divide is not None:
+            reduced.div_(reduction.post_divide)
 
     def discard(self) -> None:
         """Drop a reduction in flight (its backward did not finish)."""

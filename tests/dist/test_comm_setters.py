@@ -192,14 +192,32 @@ def test_all_reduce_hook_runs_on_every_reduction(ranks):
     assert vs_torch == 0.0 and vs_reference < 1e-6
 
 
-def check_all_reduce_hook_stream() -> None:
-    model = fully_shard(MLP())
-    with pytest.raises(ValueError, match="set_all_reduce_hook: .* pass stream=None"):
-        model.set_all_reduce_hook(lambda t: None, stream=object())
+def check_all_reduce_hook_stream() -> tuple[float, float, int]:
+    """A hook given a stream of its own (torch.cpu.Stream here: on the CPU every stream is
+    the one thread) trains as torch's with the same stream; a non-stream is refused."""
+    with pytest.raises(TypeError, match="set_all_reduce_hook: stream must be a torch.Stream"):
+        fully_shard(MLP()).set_all_reduce_hook(lambda t: None, stream=object())
+    calls = [0]
+
+    def halve(reduced: torch.Tensor) -> None:
+        calls[0] += 1
+        reduced.div_(dist.get_world_size())
+
+    def wrap(model: nn.Module, shard: Shard) -> None:
+        per_block(model, shard)
+        for module in annotated(model):
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)
+            module.set_all_reduce_hook(halve, stream=torch.cpu.Stream())
+
+    errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap)
+    return (*errors, calls[0])
 
 
-def test_all_reduce_hook_runs_on_the_current_stream(ranks):
-    ranks.run(check_all_reduce_hook_stream, world_size=2)
+def test_all_reduce_hook_on_a_stream_of_its_own(ranks):
+    vs_reference, vs_torch, calls = ranks.run(check_all_reduce_hook_stream, world_size=2)[0]
+    assert calls == 2 * 3 * 4
+    assert vs_torch == 0.0 and vs_reference < 1e-6
 
 
 def check_separate_group() -> tuple[float, float, bool]:

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fsdp_compose.unit.gather as gather_module
 import fsdp_compose.unit.reduce as reduce_module
+import fsdp_compose.unit.replicas as replicas_module
 from fsdp_compose import fully_shard
 from fsdp_compose.comm.buffer import ReusedBuffer
 from fsdp_compose.comm.collectives import all_gather, all_reduce, reduce_scatter
@@ -110,12 +111,12 @@ def logged_collectives():
     """The collectives our units send, logged (from a clear log)."""
     LOG.clear()
     gather_module.all_gather = logged_all_gather
-    reduce_module.reduce_scatter, reduce_module.all_reduce = logged_reduce_scatter, logged_all_reduce
+    reduce_module.reduce_scatter, replicas_module.all_reduce = logged_reduce_scatter, logged_all_reduce
     try:
         yield
     finally:
         gather_module.all_gather = all_gather
-        reduce_module.reduce_scatter, reduce_module.all_reduce = reduce_scatter, all_reduce
+        reduce_module.reduce_scatter, replicas_module.all_reduce = reduce_scatter, all_reduce
 
 
 def check_protocol(**shard_kwargs) -> tuple[float, list[str]]:

@@ -74,6 +74,19 @@ def test_no_process_group_is_a_clear_error():
         fully_shard(torch.nn.Linear(2, 2))
 
 
+def test_a_custom_factor_is_premul_sum_where_the_backend_has_it():
+    """NCCL fuses the scaling into the reduce-scatter, as torch asks; gloo gets its math."""
+    nccl = grad_reduction(4, 1, torch.float32, 8.0, False, premul_sum=True)
+    assert nccl.pre_scale is None and nccl.post_divide is None
+    assert isinstance(nccl.op, ReduceOp) and nccl.op == ReduceOp.PREMUL_SUM
+    assert nccl.op.factor == 0.125 and nccl.scatter_options[1].reduceOp == ReduceOp.PREMUL_SUM
+    gloo = grad_reduction(4, 1, torch.float32, 8.0, False, premul_sum=False)
+    assert gloo[:4] == (0.125, SUM, SUM, None)
+    # The backend's AVG where the factor is the group's size; fp16 and force_sum unchanged.
+    assert grad_reduction(4, 1, torch.float32, 4.0, False, premul_sum=True).op == AVG
+    assert grad_reduction(4, 1, torch.float32, 8.0, True, premul_sum=True)[:4] == (None, SUM, SUM, 8.0)
+
+
 @pytest.mark.parametrize(
     ("sizes", "dtype", "factor", "force_sum", "expected"),
     [
