@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -51,6 +52,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -59,7 +61,13 @@ from train_gpt import GPT, counting_batch, init_distributed  # noqa: E402
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
+# cuBLAS picks its algorithms deterministically with this, read at its first use: the loss
+# parity runs (loss_parity) can then be compared bit for bit.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 CONTENDERS = ("fsdp_compose", "FSDP2", "DDP", "floor")
+# The loss parity runs: FSDP2 twice, for the run-to-run noise ours is read against.
+PARITY_RUNS = ("fsdp_compose", "FSDP2", "FSDP2 again")
 SHARDED = ("fsdp_compose", "FSDP2")
 MODELS = {"gpt": GPT, "llama": Llama}
 
@@ -109,10 +117,11 @@ class Contender(NamedTuple):
         return train_step(self.model, self.optim, tokens, self.autocast)
 
 
-def contender(name: str, args: argparse.Namespace, device: torch.device) -> Contender:
+def contender(name: str, args: argparse.Namespace, device: torch.device, lr: float | None = None) -> Contender:
     model = build(name, args, device)
     # fused=None, not False, off CUDA: False would also turn off the foreach default.
-    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True if device.type == "cuda" else None)
+    fused = True if device.type == "cuda" else None
+    optim = torch.optim.AdamW(model.parameters(), lr=lr or args.lr, fused=fused)
     return Contender(model, optim, autocast_dtype(name, args))
 
 
@@ -187,6 +196,53 @@ def timed_rounds(args: argparse.Namespace, contenders: dict[str, Contender], dev
     return timings
 
 
+def loss_parity(args: argparse.Namespace, device: torch.device) -> dict:
+    """The losses of --parity-steps steps at --parity-lr (where the model trains: its loss
+    falls) of fsdp_compose, FSDP2 and FSDP2 again, one after another from the same weights
+    on the same batches, with deterministic algorithms where torch has them and one
+    attention backend. FSDP2 against itself is the run-to-run noise floor; ours against
+    FSDP2 is read against it (0.0 and 0.0 on the CPU)."""
+    losses: dict[str, list[float]] = {}
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # warn where torch has none
+    try:
+        for run_name in PARITY_RUNS:
+            c = contender(run_name.removesuffix(" again"), args, device, lr=args.parity_lr)
+            losses[run_name] = []
+            with sdpa_kernel(attention_backends(device)):
+                for step in range(args.parity_steps):
+                    loss = c.step(batch(args, step, device))
+                    dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                    losses[run_name].append(loss.item() / dist.get_world_size())
+            del c
+            release_memory(device)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    reference = losses["FSDP2"]
+    return {
+        "steps": args.parity_steps, "lr": args.parity_lr, "losses": losses,
+        "max_difference_vs_fsdp2": {
+            n: max((abs(a - b) for a, b in zip(losses[n], reference)), default=0.0)
+            for n in ("fsdp_compose", "FSDP2 again")
+        },
+        "loss_falls": bool(reference) and reference[-1] < reference[0],
+    }
+
+
+def attention_backends(device: torch.device) -> list[SDPBackend]:
+    """One attention kernel for every run: flash on CUDA where the dtype allows it (its
+    backward is deterministic under torch's deterministic mode), the math one otherwise."""
+    if device.type == "cuda":
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    return [SDPBackend.MATH]
+
+
+def release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def counted_step(name: str, c: Contender, tokens: torch.Tensor) -> tuple[dict, dict]:
     """One step's collectives (DDP's from its parameters: it all-reduces from C++) and
     copies outside them."""
@@ -219,6 +275,9 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     floor = analytic(args, contenders["floor"].model, memory["floor"])
     median = {name: statistics.median(t) for name, t in timings.step.items()}
     utilisation, hidden = gpu_measures(args, contenders, median, tokens)
+    del contenders  # the parity runs build their own, one at a time
+    release_memory(device)
+    parity = loss_parity(args, device)
     reference = timings.losses["FSDP2"]
     return {
         "config": {**vars(args), "world_size": dist.get_world_size(), "device": str(device),
@@ -235,6 +294,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
             n: max(abs(a - b) for a, b in zip(timings.losses[n], reference)) for n in ("fsdp_compose", "DDP")
         },
         "losses": {n: timings.losses[n] for n in ("fsdp_compose", "FSDP2", "DDP")},
+        "loss_parity": parity,
         "mfu": utilisation,
         "hidden_communication": hidden,
     }
@@ -278,7 +338,12 @@ def report(result: dict, out: Path) -> None:
           f"casts {a['copy_param_cast_bytes']} B, reduce_dtype casts {a['copy_grad_cast_bytes']} B, "
           f"total {a['copy_bytes']} B; with one reduce-scatter per unit "
           f"{a['copy_one_reduce_scatter_bytes']} B")
-    print(f"max |loss - FSDP2's|: {result['max_loss_difference_vs_fsdp2']}")
+    print(f"max |loss - FSDP2's| over the timed steps: {result['max_loss_difference_vs_fsdp2']}")
+    parity = result["loss_parity"]
+    first, last = parity["losses"]["FSDP2"][0], parity["losses"]["FSDP2"][-1]
+    print(f"loss parity, {parity['steps']} deterministic steps at lr {parity['lr']} (FSDP2's loss "
+          f"{first:.4f} -> {last:.4f}): max |loss - FSDP2's| " + ", ".join(
+              f"{n} {v:.3g}" for n, v in parity["max_difference_vs_fsdp2"].items()))
     for key in ("mfu", "hidden_communication"):
         if result[key] is not None:
             print(f"{key}: " + ", ".join(f"{n} {v:.3f}" for n, v in result[key].items()))
@@ -301,6 +366,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--parity-steps", type=int, default=8,
+                        help="steps of the deterministic loss comparison (loss_parity)")
+    parser.add_argument("--parity-lr", type=float, default=3e-4,
+                        help="its learning rate: one at which the model trains")
     parser.add_argument("--dtype", type=lambda name: getattr(torch, name), default=torch.float32,
                         help="of the whole model and its training, e.g. bfloat16 on GPUs")
     parser.add_argument("--mixed-precision", action="store_true",
