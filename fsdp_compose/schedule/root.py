@@ -50,7 +50,6 @@ class Root(Generic[S]):
     def __init__(self, state: S, states: list[S]) -> None:
         self.state = state
         self.states = states
-        self.comm: CommContext = state.comm
         self.forward_root: S | None = None  # the unit whose forward encloses the others'
         self.final_callback_queued = False
         # This iteration's units in the order their forwards began (implicit forward
@@ -61,6 +60,12 @@ class Root(Generic[S]):
         self.last_post_forward: S | None = None
         # Units prefetched in this forward: any that did not run are resharded at its end.
         self.forward_prefetched: list[S] = []
+
+    @property
+    def comm(self) -> CommContext:
+        """The root unit's communication context: share_comm_ctx may replace it at any
+        time, so it is read from the unit, never copied."""
+        return self.state.comm
 
     @classmethod
     def of(cls, state: S) -> Root[S]:

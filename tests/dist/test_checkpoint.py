@@ -17,22 +17,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_compose import export_safetensors, fully_shard, load_checkpoint, save_checkpoint
 from tests.dist.parity import full, per_block
-from tests.dist.training import sharded_transformer, train
+from tests.dist.training import new_run, sharded_transformer, train, whole_state
 from tests.models import MLP, Transformer
-
-
-def new_run(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = sharded_transformer(seed)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-def whole_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every parameter and optimizer state tensor, whole, keyed by name."""
-    state = {fqn: full(p).clone() for fqn, p in model.named_parameters()}
-    for fqn, p in model.named_parameters():
-        for key, value in optim.state[p].items():
-            state[f"{fqn}/{key}"] = full(value).clone()
-    return state
 
 
 def check_resume_is_bit_identical(path: str) -> None:

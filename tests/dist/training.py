@@ -7,7 +7,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_compose import fully_shard
-from tests.dist.parity import assert_close_to, backward, optimizer_step, per_block, rank_share
+from tests.dist.parity import (
+    assert_close_to, backward, full, optimizer_step, per_block, rank_share,
+)
 from tests.models import Transformer, lm_loss, token_batch
 
 
@@ -30,3 +32,17 @@ def train_step_matches(model: nn.Module, ref: nn.Module) -> None:
     for m in (model, ref):
         torch.optim.SGD(m.parameters(), lr=0.1).step()
     assert_close_to(model, ref)
+
+
+def new_run(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = sharded_transformer(seed)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def whole_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer state tensor, whole, keyed by name."""
+    state = {fqn: full(p).clone() for fqn, p in model.named_parameters()}
+    for fqn, p in model.named_parameters():
+        for key, value in optim.state[p].items():
+            state[f"{fqn}/{key}"] = full(value).clone()
+    return state
