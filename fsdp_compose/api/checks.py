@@ -4,6 +4,7 @@ first collective and before anything changes, so a failed call leaves the module
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -142,6 +143,7 @@ def check_mesh(
     """The mesh, with dp_mesh_dims and reshard_after_forward, as fully_shard can use them."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard({name}): mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    check_rank_in(f"fully_shard({name})", mesh)
     if dp_mesh_dims is not None:
         check_dp_mesh_dims(name, mesh, dp_mesh_dims, reshard_after_forward)
     device_type = mesh.device_type
@@ -247,3 +249,20 @@ def check_params(
                 f"on {device.type}. Build the mesh on the parameters' device type, or move "
                 "the module there first."
             )
+
+
+def check_rank_in(where: str, mesh: DeviceMesh) -> None:
+    """Refuse a mesh that leaves out this rank: torch would fail later in get_group with a
+    bare IndexError, or a collective would wait for ranks that never come."""
+    if mesh.get_coordinate() is not None:  # torch's public "this rank is in the mesh"
+        return
+    ranks = mesh.mesh  # listed when few, else counted
+    listed = ranks.tolist() if ranks.numel() <= 16 else (
+        f"{ranks.numel()} from {int(ranks.min())} to {int(ranks.max())}")
+    raise ValueError(
+        f"{where}: rank {dist.get_rank()} is not in the mesh (shape {tuple(mesh.shape)}, dims "
+        f"{mesh.mesh_dim_names or 'unnamed'}, ranks {listed}), whose process groups have no "
+        "place for it: build the mesh over ranks that include every rank that calls "
+        "fully_shard with it (e.g. init_device_mesh over the whole world), or call "
+        "fully_shard with it only on the mesh's ranks."
+    )

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..comm.meshes import UnitMesh, unit_mesh
-from .checks import check_mesh, check_reshard_after_forward
+from .checks import check_mesh, check_rank_in, check_reshard_after_forward
 
 ShardPlacementFn = Callable[[nn.Parameter], Any]
 
@@ -81,6 +81,7 @@ def _other_mesh(
         check_mesh(name, spmd_mesh, dims, reshard_after_forward)
         return unit_mesh(spmd_mesh, reshard_after_forward, dims)
     own_mesh: DeviceMesh = info.mesh
+    check_rank_in(where, own_mesh)
     if own_mesh.ndim not in (1, 2):
         raise ValueError(
             f"{where} returned a ShardPlacementResult on a {own_mesh.ndim}-D mesh; pass a 1-D "

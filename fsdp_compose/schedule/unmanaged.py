@@ -4,9 +4,11 @@ Said once, with their names, when a model holding units first runs forward."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -60,12 +62,46 @@ def _look(module: nn.Module, args: Any) -> None:
         if p.requires_grad and not hasattr(p, _ACCOUNTED_MARK)
     ]
     if names:
-        warnings.warn(
+        _warn_at_user_call(
             f"fsdp_compose: {type(module).__name__} holds fully_shard units but is not one, and "
             f"its parameters {names} are in no unit: each rank trains them apart, "
             "unsynchronised, and they drift. Annotate it too, after its blocks "
             "(fully_shard(model); its ignored_params stay whole but are then yours to "
             "synchronise); to keep them apart on purpose, filter "
-            "fsdp_compose.UnmanagedParametersWarning.",
-            UnmanagedParametersWarning, stacklevel=2,
+            "fsdp_compose.UnmanagedParametersWarning."
         )
+
+
+# Frames of these packages sit between the user's call and the hook that warns.
+_INTERNAL = ("torch", __name__.split(".")[0])
+
+
+def _warn_at_user_call(message: str) -> None:
+    """Warn as from the user's line that ran the forward: the hook runs inside torch's
+    Module.__call__, so a fixed stacklevel would name torch's module.py, which a filter on
+    the user's module misses and a filter on torch hides. warn_explicit, not a counted
+    stacklevel: warnings.warn's own frame skipping (importlib's) would shift the count."""
+    frame = _user_frame()
+    if frame is None:  # no user code on this stack (a thread started inside torch)
+        warnings.warn(message, UnmanagedParametersWarning, stacklevel=3)
+        return
+    module_globals = frame.f_globals
+    warnings.warn_explicit(
+        message, UnmanagedParametersWarning, frame.f_code.co_filename, frame.f_lineno,
+        module=module_globals.get("__name__", "<string>"),  # as warnings.warn names it
+        registry=module_globals.setdefault("__warningregistry__", {}),
+        module_globals=module_globals,
+    )
+
+
+def _user_frame() -> FrameType | None:
+    """The innermost frame outside torch and fsdp_compose."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and _is_internal(frame):
+        frame = frame.f_back
+    return frame
+
+
+def _is_internal(frame: FrameType) -> bool:
+    name = frame.f_globals.get("__name__")
+    return isinstance(name, str) and name.split(".")[0] in _INTERNAL
