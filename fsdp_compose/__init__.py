@@ -5,6 +5,7 @@ from .api.fsdp_module import FSDPModule, GradientReductionHandle, UnshardHandle
 from .api.fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .api.init import materialize
 from .api.replicate import replicate
+from .api.torch_switch import TorchFSDPSwitch, replace_torch_fsdp
 from .api.wrap import WrapPolicy, wrap
 from .comm.meshes import DataParallelMeshDims
 from .io.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
@@ -28,6 +29,7 @@ __all__ = [
     "Plan",
     "Setup",
     "StepTrace",
+    "TorchFSDPSwitch",
     "UnmanagedParametersWarning",
     "UnshardHandle",
     "WrapPolicy",
@@ -40,6 +42,7 @@ __all__ = [
     "materialize",
     "plan",
     "register_fsdp_forward_method",
+    "replace_torch_fsdp",
     "replicate",
     "save_checkpoint",
     "save_full_state_dict",

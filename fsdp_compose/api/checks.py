@@ -65,8 +65,8 @@ def check_options(
     check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", None)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
-            f"fully_shard({name}): mp_policy must be fsdp_compose.MixedPrecisionPolicy, "
-            f"got {type(mp_policy).__module__}.{type(mp_policy).__name__}"
+            f"fully_shard({name}): mp_policy must be a MixedPrecisionPolicy (fsdp_compose's "
+            f"or torch's), got {type(mp_policy).__module__}.{type(mp_policy).__name__}"
         )
     for field in ("param_dtype", "reduce_dtype", "output_dtype"):
         dtype = getattr(mp_policy, field)
@@ -78,8 +78,8 @@ def check_options(
             )
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
-            f"fully_shard({name}): offload_policy must be fsdp_compose.OffloadPolicy or "
-            f"CPUOffloadPolicy, got {type(offload_policy).__name__}"
+            f"fully_shard({name}): offload_policy must be an OffloadPolicy or CPUOffloadPolicy "
+            f"(fsdp_compose's or torch's), got {type(offload_policy).__name__}"
         )
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.meshes import DataParallelMeshDims, UnitMesh, default_mesh, unit_mesh
-from ..param.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ..param.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, adopt_policy
 from ..param.replaced import mark_replaced
 from ..param.sharded_param import ShardedParam
 from ..schedule.hooks import UnitState
@@ -111,6 +111,7 @@ def fully_shard(
     modules = list(module) if isinstance(module, list) else [module]
     check_modules(modules)
     name = ", ".join(type(m).__name__ for m in modules)
+    mp_policy, offload_policy = adopt_policy(mp_policy), adopt_policy(offload_policy)
     check_options(name, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh(name)
     check_mesh(name, mesh, dp_mesh_dims, reshard_after_forward)

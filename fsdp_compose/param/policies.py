@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
 import torch
@@ -62,6 +62,21 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+def adopt_policy(policy: Any) -> Any:
+    """`policy` as ours: one of torch's fully_shard policies (from code that imported torch's
+    classes before replace_torch_fsdp, or that mixes the two) field for field; anything
+    else as it is, for fully_shard's checks to refuse."""
+    ours = _OURS_BY_NAME.get(type(policy).__name__)
+    if ours is None or isinstance(policy, ours) or not is_dataclass(policy):
+        return policy
+    return ours(**{f.name: getattr(policy, f.name) for f in fields(policy)})
+
+
+_OURS_BY_NAME: dict[str, type] = {
+    cls.__name__: cls for cls in (MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy)
+}
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 from tests.dist.counting import CollectiveCounter
-from tests.models import MLP, Transformer
+from tests.models import MLP, Transformer, feature_batch
 
 
 def _raises(error: type[Exception], match: str, fn, *args, **kwargs) -> None:
@@ -53,8 +53,13 @@ def check_misuse_errors() -> None:
             annotated.set_reshard_after_forward, 0)
     _raises(ValueError, r"MixedPrecisionPolicy.param_dtype=torch.int8 is not a floating-point",
             fully_shard, MLP(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
-    _raises(TypeError, "mp_policy must be fsdp_compose.MixedPrecisionPolicy", fully_shard,
-            MLP(), mp_policy=TorchMixedPrecisionPolicy())
+    _raises(TypeError, r"mp_policy must be a MixedPrecisionPolicy \(fsdp_compose's or torch's\)",
+            fully_shard, MLP(), mp_policy={"param_dtype": torch.bfloat16})
+    # torch's policies are taken field for field (code that imported them before the switch).
+    taken = fully_shard(MLP(), mp_policy=TorchMixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    assert taken.layers[0].weight.dtype == torch.float32
+    taken(feature_batch(0, 2)).sum().backward()
+    assert {p.grad.dtype for p in taken.parameters()} == {torch.float32}
     with torch.device("meta"):
         on_meta = MLP()
     fully_shard(on_meta)

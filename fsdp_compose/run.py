@@ -1,0 +1,49 @@
+"""python -m fsdp_compose.run: run a program with fsdp_compose in place of torch's fully_shard.
+
+    python -m fsdp_compose.run train.py --lr 1e-3
+    python -m fsdp_compose.run -m torchtitan.train --job.config_file x.toml
+    torchrun --nproc_per_node=8 -m fsdp_compose.run -m torchtitan.train --job.config_file x.toml
+    accelerate launch -m fsdp_compose.run train.py
+
+It switches first (replace_torch_fsdp), before the program imports anything, then runs
+the script or module as `__main__` as Python would: its arguments in sys.argv, its folder
+(a script's) first on sys.path, its exit code and its exceptions as they are. Rank 0 (the
+RANK variable launchers set; any process without one) prints one line saying which
+implementation is in place.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from .api.torch_switch import replace_torch_fsdp
+
+USAGE = "usage: python -m fsdp_compose.run (SCRIPT | -m MODULE) [ARGS...]"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return
+    if not args or args == ["-m"]:
+        print(USAGE, file=sys.stderr)
+        raise SystemExit(2)
+    switch = replace_torch_fsdp()
+    if os.environ.get("RANK", "0") == "0":
+        print(f"fsdp_compose.run: torch.distributed.fsdp.fully_shard is fsdp_compose's "
+              f"({len(switch.names)} names rebound)", file=sys.stderr, flush=True)
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]  # run_module puts the module's file in argv[0]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        script = args[0]
+        sys.argv = [script, *args[1:]]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py`
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
