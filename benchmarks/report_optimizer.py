@@ -45,7 +45,7 @@ def optimizer_section(result: dict) -> str:
             for policy, by_variant in steps.items() for variant, ms in by_variant.items()]
     every = [ms for by_variant in steps.values() for ms in by_variant.values()]
     return SECTION.format(
-        dim=config["dim"], world=config["world"], rounds=config["rounds"],
+        dim=max(config["dims"]) if "dims" in config else config["dim"], world=config["world"], rounds=config["rounds"],
         provenance=provenance(config),
         table=table(["policy", "AdamW", *CONTENDERS, "fsdp_compose / FSDP2"], "llrrrr", rows),
         ours_vs_fsdp2=ratio_range([ms["fsdp_compose"] / ms["FSDP2"] for ms in every]),

@@ -1,0 +1,136 @@
+"""The optimizer step on local shards: torch's elementwise optimizers (SGD, Adam, AdamW and
+the like) step on sharded parameters' local tensors, as plain tensors, so a step costs what
+it costs without DTensor's dispatch, bit for bit the same arithmetic.
+
+Outside `step()` nothing changes: param groups hold the sharded DTensor parameters, and
+`optimizer.state` holds DTensors for their per-element state, so state_dict(), DCP,
+clip_grad_norm_, LR schedulers, GradScaler and user code see what they see today. During a
+step the optimizer holds, instead, each parameter's local tensor (its `.grad` the local
+tensor of the DTensor gradient) and a state dict keyed by them, of the same tensors' local
+parts: an in-place update of one is an update of the other.
+
+Only optimizers of exactly these classes, whose every update is per element, step this way
+(an optimizer that reads a parameter's global shape, as Shampoo or Muon do, must see the
+DTensor), and only once they hold a sharded parameter: from their second step, when the
+first (on DTensors, as always) has created their state. The swap is an instance attribute
+`step` wrapping the class's (exceptions restore the DTensors); the optimizer's own step
+hooks run inside it and see the local tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+    torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+)
+SHARDED_MARK = "_fsdp_compose_sharded"  # set on every sharded parameter fully_shard makes
+_SEEN = "_fsdp_compose_local_step"  # in an optimizer's __dict__: it was looked at
+
+
+@functools.cache
+def install() -> None:
+    """Look at every optimizer's first step (torch.optim's public global pre-hook)."""
+    register_optimizer_step_pre_hook(_first_step)
+
+
+def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer.__dict__.get(_SEEN):
+        return
+    optimizer.__dict__[_SEEN] = True
+    if type(optimizer) not in ELEMENTWISE:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(getattr(p, SHARDED_MARK, False) for p in params):
+        optimizer.step = _LocalStep(optimizer, optimizer.step)  # type: ignore[method-assign]
+
+
+class _LocalStep:
+    """`optimizer.step`, run on the local tensors (see the module's docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> None:
+        self._optimizer, self._step = optimizer, step
+        self._outside: Any = None  # the state dict the inside one was built from
+        self._inside: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, local)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        optimizer = self._optimizer
+        groups = [group["params"] for group in optimizer.param_groups]
+        self._enter(groups)
+        try:
+            return self._step(*args, **kwargs)
+        finally:
+            self._leave(groups)
+
+    def _enter(self, groups: list[list[torch.Tensor]]) -> None:
+        optimizer, pairs = self._optimizer, []
+        for group, params in zip(optimizer.param_groups, groups):
+            locals_ = []
+            for p in params:
+                local = p._local_tensor if isinstance(p, DTensor) else p
+                if local is not p:
+                    grad = p.grad
+                    local.grad = None if grad is None else grad._local_tensor  # type: ignore[attr-defined]
+                locals_.append(local)
+                pairs.append((p, local))
+            group["params"] = locals_
+        if optimizer.state is not self._outside or not _same(pairs, self._pairs):
+            self._take_state(pairs)
+        optimizer.state = self._inside
+
+    def _take_state(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The inside state from the optimizer's (a first step, a load_state_dict, a
+        parameter given new local data): local parts of the same tensors."""
+        outside = self._optimizer.state
+        self._outside, self._pairs = outside, pairs
+        self._inside = defaultdict(dict)
+        for p, local in pairs:
+            if p in outside:
+                self._inside[local] = {k: _local(v) for k, v in outside[p].items()}
+
+    def _leave(self, groups: list[list[torch.Tensor]]) -> None:
+        optimizer = self._optimizer
+        for group, params in zip(optimizer.param_groups, groups):
+            group["params"] = params
+        outside = self._outside
+        for p, local in self._pairs:
+            if local is not p:
+                local.grad = None  # the gradient stays the DTensor's: hold it once
+            inside = self._inside.get(local)
+            if inside is not None and (p not in outside or _changed(outside[p], inside)):
+                outside[p] = {k: _like(p, local, v) for k, v in inside.items()}
+        optimizer.state = outside
+
+
+def _same(pairs: list[tuple[torch.Tensor, torch.Tensor]], known: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    return len(pairs) == len(known) and all(
+        p is q and a is b for (p, a), (q, b) in zip(pairs, known)
+    )
+
+
+def _local(value: Any) -> Any:
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+def _changed(outside: dict[str, Any], inside: dict[str, Any]) -> bool:
+    """Whether the step added or replaced a state tensor (it updates in place otherwise)."""
+    return outside.keys() != inside.keys() or any(
+        _local(outside[k]) is not v for k, v in inside.items()
+    )
+
+
+def _like(param: torch.Tensor, local: torch.Tensor, value: Any) -> Any:
+    """A state value as the optimizer outside sees it: per-element state as a DTensor of the
+    parameter's layout over the same local tensor, anything else (a step count) as it is."""
+    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == local.shape:
+        return DTensor(value, param._spec, requires_grad=False)
+    return value
