@@ -4,14 +4,17 @@ before running them (see fsdp_compose.plan).
     python -m fsdp_compose.plan --model gpt --world-size 8 --budget 64MiB
     python -m fsdp_compose.plan --model llama --world-size 64 --dim 512 --depth 8 --budget 1GiB
 
-Sizes and batches are one rank's; the GPT is examples/train_gpt.py's (from a source
-checkout), the Llama transformers' LlamaForCausalLM with a tiny config unless told.
+Sizes and batches are one rank's; a budget's MiB/GiB are binary (2^20, 2^30 bytes), its
+MB/GB decimal (10^6, 10^9), a bare number bytes. The GPT is examples/train_gpt.py's (from
+a source checkout), the Llama transformers' LlamaForCausalLM with a tiny config unless
+told. Which setup it is simulating goes to stderr as it goes; the ranked table to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -20,17 +23,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .tools.planner import Plan, parse_size, plan, size
+from .tools.planner import Plan, parse_size, plan, ranking, size, table
 
 __all__ = ["main", "parse_size"]
 
 
-def _budget_argument(text: str) -> int:
-    """--budget, parsed as plan() parses a string memory_budget; argparse shows its message."""
+def _budget_argument(text: str) -> str:
+    """--budget, checked as plan() parses a string memory_budget (argparse shows its
+    message), and kept as written: the output says what it was read as."""
     try:
-        return parse_size(text)
+        parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return text.strip()
 
 
 def _gpt(args: argparse.Namespace) -> Callable[[], nn.Module]:
@@ -64,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("gpt", "llama"), default="gpt")
     parser.add_argument("--world-size", type=int, default=8)
-    parser.add_argument("--budget", type=_budget_argument, help="memory per rank, e.g. 64MiB")
+    parser.add_argument("--budget", type=_budget_argument,
+                        help="memory per rank: 64MiB (2^20 bytes each), 64MB (10^6), 2048 (bytes)")
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -84,12 +90,20 @@ def main(argv: list[str] | None = None) -> None:
 
         def loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
             return model(input_ids=batch, labels=batch).loss  # type: ignore[no-any-return]
+    budget = None if args.budget is None else parse_size(args.budget)
     plans = plan(build, world_size=args.world_size, sample_input=tokens,
-                 memory_budget=args.budget, loss_fn=loss)
-    budget = f", budget {size(args.budget)} per rank" if args.budget else ""
-    print(f"{args.model}, {args.world_size} ranks{budget}; best first:")
-    for p in plans:
-        print(f"  {p}")
+                 memory_budget=budget, loss_fn=loss)
+    _report(args, budget, plans)
+
+
+def _report(args: argparse.Namespace, budget: int | None, plans: list[Plan]) -> None:
+    """The budget as read, how the setups are ranked, their table, and the calls of the
+    best one, or why there are none."""
+    read = "" if budget is None else (
+        f", budget {args.budget} = {budget:,} bytes ({size(budget)}) per rank")
+    print(f"{args.model}, {args.world_size} ranks{read}.")
+    print(textwrap.fill(ranking(budget is not None) + " Best first:", width=92) + "\n")
+    print(table(plans))
     best = plans[0]
     if best.fits is not False:
         print("\nrealised by:\n" + best.code)

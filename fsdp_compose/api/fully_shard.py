@@ -122,7 +122,6 @@ def fully_shard(
     placements = shard_placements(name, collected, shard_placement_fn, resolved, reshard_after_forward)
     check_params(name, collected, resolved.device, [param_mesh for _, param_mesh in placements])
     policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]
-
     if sync_module_states:
         tensors = [p for _, p, _ in collected] + unit_buffers(modules)
         sync_from_first_rank(tensors, resolved.mesh, resolved.device)  # data-parallel dims only

@@ -10,161 +10,90 @@ budget; those that do not are listed by how far they miss it. It runs on the acc
 when there is one (the memory it predicts is that device's), else on the CPU. CPU offload
 moves shards, gradients and optimizer state off the accelerator: a candidate there; on the
 CPU it would move nothing, so not a candidate.
+
+Under a budget, a candidate whose lower bound (peak_lower_bound: its shards, AdamW's state,
+the parameters it holds whole and what an unsharded forward leaves allocated) exceeds it is
+not simulated: it cannot fit, and a simulation costs seconds. Unless told to be quiet,
+plan() says on stderr which candidate it is on.
+
+Here: plan(), the candidates and the simulation. Beside it: plan_setup (Setup, Plan),
+plan_bound (the lower bound), plan_report (the table, the ranking in words, the progress
+line) and plan_bytes (sizes in words and back); their public names are importable from
+here too (__all__).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from ..api.activation_checkpointing import checkpoint_blocks
-from ..api.fully_shard import fully_shard
-from ..param.policies import CPUOffloadPolicy
+from .plan_bound import ModelSizes, device_total, model_sizes, peak_lower_bound
+from .plan_bytes import parse_size, size
+from .plan_report import Progress, ranking, table
+from .plan_setup import LossFn, Plan, Setup, block_list
 
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """One way to annotate a model whose blocks are `model.<blocks>` (a ModuleList)."""
-
-    blocks_per_unit: int = 1
-    reshard_after_forward: bool | int = True
-    checkpoint_every: int | None = None  # checkpoint_blocks(every=...), or no recomputation
-    cpu_offload: bool = False  # offload_policy=CPUOffloadPolicy()
-
-    def apply(self, model: nn.Module, blocks: str, mesh: DeviceMesh | None = None) -> None:
-        """Annotate `model` (not yet annotated) this way, over `mesh` (default: fully_shard's);
-        `blocks` names its ModuleList."""
-        layers = _layers(model, blocks)
-        if self.checkpoint_every is not None:
-            checkpoint_blocks(model, type(layers[0]), every=self.checkpoint_every)
-        options: dict[str, Any] = {"mesh": mesh}
-        if self.cpu_offload:
-            options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
-        k = self.blocks_per_unit
-        for i in range(0, len(layers), k):
-            group = list(layers[i:i + k])
-            unit = group if k > 1 else group[0]
-            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
-        fully_shard(model, **options)
-
-    def code(self, blocks: str, block_class: str) -> str:
-        """The calls that realise it, for a model named `model`."""
-        lines = []
-        if self.checkpoint_every is not None:
-            lines.append(f"checkpoint_blocks(model, {block_class}, every={self.checkpoint_every})")
-        option = "" if self.reshard_after_forward is True else (
-            f", reshard_after_forward={self.reshard_after_forward}"
-        )
-        offload = ", offload_policy=CPUOffloadPolicy()" if self.cpu_offload else ""
-        option += offload
-        k = self.blocks_per_unit
-        if k == 1:
-            lines.append(f"for block in model.{blocks}:\n    fully_shard(block{option})")
-        else:
-            lines.append(f"for i in range(0, len(model.{blocks}), {k}):\n"
-                         f"    fully_shard(list(model.{blocks}[i:i + {k}]){option})")
-        lines.append(f"fully_shard(model{offload})")
-        return "\n".join(lines)
-
-
-@dataclasses.dataclass
-class Plan:
-    """A simulated setup: what it costs per rank and step."""
-
-    setup: Setup
-    peak_bytes: int  # tracked tensor memory per rank, at its peak
-    bytes_per_step: int  # every all-gather's and reduce-scatter's buffer, one step
-    fits: bool | None  # within the memory budget (None: no budget given)
-    code: str
-    memory_budget: int | None = None  # bytes per rank, as plan() was given it
-
-    def __str__(self) -> str:
-        s = self.setup
-        offload = ", CPU offload" if s.cpu_offload else ""
-        return (f"{s.blocks_per_unit} block(s)/unit, reshard_after_forward={s.reshard_after_forward}, "
-                f"{_checkpointing(s.checkpoint_every)}{offload}: peak {size(self.peak_bytes)}, "
-                f"{size(self.bytes_per_step)}/step communicated{self._verdict()}")
-
-    def _verdict(self) -> str:
-        if self.fits is None:
-            return ""
-        if self.fits:
-            return " fits"
-        if self.memory_budget is None:
-            return " does not fit"
-        over = self.peak_bytes - self.memory_budget
-        return f"; does not fit: {size(over)} over the {size(self.memory_budget)} budget"
-
-
-def _checkpointing(every: int | None) -> str:
-    """Setup.checkpoint_every in words (checkpoint_blocks(every=n) recomputes every n-th block)."""
-    if every is None:
-        return "no activation checkpointing"
-    return "activation checkpointing of " + ("every block" if every == 1 else f"1 block in {every}")
-
-
-def size(nbytes: float) -> str:
-    """Bytes in the largest binary unit that keeps a number of at least 1."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
-
-
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """"64MiB", "1.5GB", "2048" (bytes) as bytes (binary units either way); ValueError if
-    `text` is none of these."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)i?b?\s*", text.lower())
-    if match is None:
-        raise ValueError(f"not a size: {text!r} (e.g. 64MiB, 1.5GiB, 2048 for bytes)")
-    return int(float(match[1]) * _UNITS[match[2]])
+__all__ = [
+    "LossFn", "ModelSizes", "Plan", "Setup", "candidates", "model_sizes", "parse_size",
+    "peak_lower_bound", "plan", "ranking", "size", "table",
+]
 
 
 def plan(
     build_model: Callable[[], nn.Module], *, world_size: int, sample_input: Any,
     memory_budget: int | str | None = None, loss_fn: LossFn | None = None,
     setups: Sequence[Setup] | None = None, blocks: str | None = None,
-    device: torch.device | str | None = None,
+    device: torch.device | str | None = None, quiet: bool = False,
 ) -> list[Plan]:
     """Simulate `setups` (default: `candidates(...)`) of the model `build_model()` builds,
     trained with AdamW on `sample_input` (one rank's batch; `loss_fn(model, input)`, default
     the output's sum), as rank 0 of `world_size` ranks on `device` (default: the
     accelerator if there is one, else the CPU), in this process (no process group may be
-    initialised). Peaks are that device's memory. Returns them ranked: those that fit
-    `memory_budget` (bytes, or a size such as "4MiB") first, by less recomputation, no
-    offload, fewer bytes communicated, lower peak; then those that miss it, nearest first."""
+    initialised). Peaks are that device's memory. Under `memory_budget` (bytes, or a size
+    such as "4MiB"), a setup whose peak_lower_bound exceeds it is not simulated (its Plan:
+    `simulated` False, the bound as its peak, no bytes per step). Returns them ranked (see
+    ranking()): those that fit first, by less recomputation, no offload, fewer bytes
+    communicated, lower peak; then the simulated misses, nearest first; then those ruled
+    out by their bound, lowest first. Unless `quiet`, says on stderr which setup it is on."""
     budget = _budget(memory_budget)
     if dist.is_initialized():
         raise RuntimeError(
             "plan: a process group is initialised here; plan() simulates its own (fake) one. "
             "Call it before init_process_group, or in a separate process."
         )
-    on = torch.device(device) if device is not None else _default_device()
-    if on.type != "cpu" and on.index is None:
-        on = torch.device(on.type, torch.get_device_module(on.type).current_device())
+    on = _device(device)
     model = build_model()
     blocks = blocks or _blocks_attribute(model)
+    # Named before fully_shard swaps the class for its FSDP<Name> subclass: the printed
+    # calls must name the class the user's code has.
+    block_class = type(block_list(model, blocks)[0]).__name__
     if setups is None:
-        setups = candidates(world_size, len(_layers(model, blocks)), offload=on.type != "cpu")
+        setups = candidates(world_size, len(block_list(model, blocks)), offload=on.type != "cpu")
     del model
-    plans = [_simulate(build_model, s, world_size, sample_input, loss_fn or _sum, blocks, on)
-             for s in setups]
+    loss_fn = loss_fn or _sum
+    progress, plans = Progress(len(setups), quiet), []
+    # Bounds only pay under a budget: without one nothing is ruled out.
+    sizes = None if budget is None else _sizes_or_none(
+        build_model, blocks, sample_input, loss_fn, on, {s.checkpoint_every for s in setups},
+        progress)
+    for k, setup in enumerate(setups, 1):
+        least = 0 if sizes is None else peak_lower_bound(sizes, setup, world_size)
+        if budget is not None and least > budget:
+            progress.show(k, f"not simulated (peak at least {size(least)}, over the budget): "
+                               f"{setup.describe()}")
+            plans.append(Plan(setup, least, None, False, setup.code(blocks, block_class),
+                              simulated=False))
+            continue
+        progress.show(k, f"simulating {setup.describe()}")
+        plans.append(_simulate(build_model, setup, world_size, sample_input, loss_fn, blocks, on))
+    progress.finish(sum(not p.simulated for p in plans))
     for p in plans:
         p.fits = None if budget is None else p.peak_bytes <= budget
         p.memory_budget = budget
@@ -182,17 +111,40 @@ def _budget(memory_budget: int | str | None) -> int | None:
         raise ValueError(f"plan: memory_budget is {e}") from None
 
 
-def _rank(p: Plan) -> tuple[bool, int, float, bool, int, int]:
+def _rank(p: Plan) -> tuple[bool, bool, int, float, bool, int, int]:
     """Plans that fit (or all, without a budget) by cost; those that miss, by how much (a
-    miss's other costs matter less than how far it is from fitting)."""
+    miss's other costs matter less than how far it is from fitting); last those ruled out
+    by a lower bound, by that bound: the real peak behind it may miss by more than a
+    simulated miss does, so it is no nearer. ranking() says this in words."""
     miss = p.peak_bytes if p.fits is False else 0
     recompute = 1 / p.setup.checkpoint_every if p.setup.checkpoint_every else 0.0
-    return p.fits is False, miss, recompute, p.setup.cpu_offload, p.bytes_per_step, p.peak_bytes
+    return (p.fits is False, not p.simulated, miss, recompute, p.setup.cpu_offload,
+            p.bytes_per_step or 0, p.peak_bytes)
 
 
-def _default_device() -> torch.device:
-    accelerator = torch.accelerator.current_accelerator(check_available=True)
-    return torch.device(accelerator.type, 0) if accelerator is not None else torch.device("cpu")
+def _sizes_or_none(
+    build_model: Callable[[], nn.Module], blocks: str, sample_input: Any, loss_fn: LossFn,
+    device: torch.device, checkpointing: Iterable[int | None], progress: Progress,
+) -> ModelSizes | None:
+    """model_sizes, or None (every setup simulated, as without bounds) where the unsharded
+    model cannot run a step here: too large for the device (the simulation holds only
+    shards of it), or parameters on the meta device that only fully_shard initialises."""
+    try:
+        return model_sizes(build_model, blocks, sample_input, loss_fn, device, checkpointing)
+    except (RuntimeError, NotImplementedError) as e:  # OutOfMemoryError is a RuntimeError
+        progress.note(f"no lower bounds, every setup simulated: the unsharded model failed ({e})")
+        return None
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    """Where to simulate: `device` with its index, else the accelerator's first, else the CPU."""
+    if device is None:
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        return torch.device(accelerator.type, 0) if accelerator is not None else torch.device("cpu")
+    on = torch.device(device)
+    if on.type != "cpu" and on.index is None:
+        on = torch.device(on.type, torch.get_device_module(on.type).current_device())
+    return on
 
 
 def candidates(world_size: int, num_blocks: int, offload: bool = False) -> list[Setup]:
@@ -222,12 +174,6 @@ def _blocks_attribute(model: nn.Module) -> str:
         raise ValueError(f"plan: {type(model).__name__} has no ModuleList of blocks; pass blocks=")
     name: str = max(lists)[1]
     return name
-
-
-def _layers(model: nn.Module, blocks: str) -> nn.ModuleList:
-    layers = model.get_submodule(blocks)
-    assert isinstance(layers, nn.ModuleList), f"model.{blocks} is not a ModuleList"
-    return layers
 
 
 class _CollectiveBytes(TorchDispatchMode):
@@ -268,7 +214,7 @@ def _simulate(
         model = build_model()
         # Named before fully_shard swaps the class for its FSDP<Name> subclass: the printed
         # calls must name the class the user's code has.
-        block_class = type(_layers(model, blocks)[0]).__name__
+        block_class = type(block_list(model, blocks)[0]).__name__
         setup.apply(model, blocks, init_device_mesh(device.type, (world_size,)))
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         tracker = MemTracker()
@@ -286,8 +232,7 @@ def _simulate(
                 optim.step()
                 optim.zero_grad()
                 tracker.reset_mod_stats()  # (per-module statistics; the peak stays)
-        peaks = tracker.get_tracker_snapshot("peak")
-        peak = int(sum(by_kind["Total"] for d, by_kind in peaks.items() if d.type == device.type))
+        peak = device_total(tracker.get_tracker_snapshot("peak"), device)
         with _CollectiveBytes() as counted:
             loss_fn(model, batch).backward()
         optim.zero_grad()

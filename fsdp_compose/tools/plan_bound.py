@@ -1,0 +1,110 @@
+"""A lower bound of a setup's simulated peak (peak_lower_bound), from ModelSizes that
+model_sizes measures on the model unsharded, far cheaper than simulating the setup.
+
+Under a budget plan() simulates only the setups whose bound is within it: one over it
+cannot fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from ..api.activation_checkpointing import checkpoint_blocks
+from .plan_setup import LossFn, Setup, block_list
+
+
+@dataclasses.dataclass
+class ModelSizes:
+    """What peak_lower_bound needs of a model, measured on it unsharded."""
+
+    params: int  # every parameter's bytes, once
+    trained: int  # those of the parameters that get a gradient (and AdamW's state)
+    blocks: tuple[int, ...]  # each block's parameter bytes
+    forward: dict[int | None, int]  # what a forward and loss leave allocated, by checkpoint_every
+
+
+def peak_lower_bound(sizes: ModelSizes, setup: Setup, world_size: int) -> int:
+    """A lower bound of the peak per rank that plan() simulates for `setup`: the largest of
+    three moments every simulation passes through, each counting only memory sure to be
+    on the device then. CPU offload keeps shards, gradients and AdamW's state off it."""
+    on_device = not setup.cpu_offload
+
+    def shards_beside(whole: int) -> int:
+        # Every shard but those of `whole` bytes of parameters held unsharded: at one rank
+        # the unsharded parameters may be the shards themselves, not a copy.
+        return (sizes.params - whole) // world_size if on_device else 0
+
+    moments = 2 * sizes.trained // world_size if on_device else 0  # AdamW's, from step 1 on
+    # 1. AdamW's step: the shards, their gradients and both moments.
+    at_step = (sizes.params + 3 * sizes.trained) // world_size if on_device else 0
+    # 2. A unit computing in the second forward: its parameters whole. (The root's are the
+    #    model's outside the blocks; shared ones may make that negative.)
+    k = setup.blocks_per_unit
+    units = [sum(sizes.blocks[i:i + k]) for i in range(0, len(sizes.blocks), k)]
+    units.append(max(0, sizes.params - sum(sizes.blocks)))
+    computing = moments + max(u + shards_beside(u) for u in units)
+    # 3. The second forward done: what it left allocated (activations and the loss, as the
+    #    unsharded model leaves them), and without resharding every block's parameters.
+    #    (reshard_after_forward=<int> keeps pieces of them too; not counted, so still a bound.)
+    kept = sum(sizes.blocks) if setup.reshard_after_forward is False else 0
+    after_forward = (moments + kept + shards_beside(kept)
+                     + sizes.forward.get(setup.checkpoint_every, 0))
+    return max(at_step, computing, after_forward)
+
+
+def model_sizes(
+    build_model: Callable[[], nn.Module], blocks: str, sample_input: Any, loss_fn: LossFn,
+    device: torch.device, checkpointing: Iterable[int | None],
+) -> ModelSizes:
+    """The model's ModelSizes on `device`, with a forward per checkpointing in
+    `checkpointing` (checkpoint_blocks(every=...), None for none): the model unsharded, no
+    process group, one rank's batch, so far cheaper than simulating a setup."""
+    if device.type != "cpu":
+        torch.get_device_module(device.type).set_device(device)
+    batch = tree_map_only(torch.Tensor, lambda t: t.to(device), sample_input)
+    model = build_model().to(device)
+    params = _param_bytes(model.parameters())
+    layers = tuple(_param_bytes(b.parameters()) for b in block_list(model, blocks))
+    forward: dict[int | None, int] = {}
+    forward[None], loss = _forward_bytes(model, batch, loss_fn, device)
+    loss.backward()  # which parameters train (and get AdamW's state): those given a gradient
+    trained = _param_bytes(p for p in model.parameters() if p.grad is not None)
+    del model, loss
+    for every in {e for e in checkpointing if e is not None}:
+        model = build_model().to(device)
+        checkpoint_blocks(model, type(block_list(model, blocks)[0]), every=every)
+        forward[every], _ = _forward_bytes(model, batch, loss_fn, device)
+        del model
+    return ModelSizes(params, trained, layers, forward)
+
+
+def _forward_bytes(
+    model: nn.Module, batch: Any, loss_fn: LossFn, device: torch.device
+) -> tuple[int, torch.Tensor]:
+    """The bytes on `device` a forward and loss leave allocated (as MemTracker counts them,
+    so as the simulation does), and the loss."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        before = device_total(tracker.get_tracker_snapshot("current"), device)
+        loss = loss_fn(model, batch)
+        after = device_total(tracker.get_tracker_snapshot("current"), device)
+    return after - before, loss
+
+
+def device_total(snapshot: dict[torch.device, dict[str, int]], device: torch.device) -> int:
+    """The bytes a MemTracker snapshot counts on devices of `device`'s type."""
+    return int(sum(by_kind["Total"] for d, by_kind in snapshot.items() if d.type == device.type))
+
+
+def _param_bytes(params: Iterable[nn.Parameter]) -> int:
+    unique = {id(p): p for p in params}  # a tied parameter once
+    return sum(p.numel() * p.element_size() for p in unique.values())

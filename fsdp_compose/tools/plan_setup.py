@@ -1,0 +1,127 @@
+"""Setup, one way to annotate a model that plan() tries, and Plan, what it costs per rank.
+
+A Setup applies itself (fully_shard over groups of blocks, checkpoint_blocks) and writes
+the calls that realise it; a Plan is a setup with its peak, its bytes communicated per
+step and its verdict under a budget. block_list finds the blocks a setup groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..api.activation_checkpointing import checkpoint_blocks
+from ..api.fully_shard import fully_shard
+from ..param.policies import CPUOffloadPolicy
+from .plan_bytes import size
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One way to annotate a model whose blocks are `model.<blocks>` (a ModuleList)."""
+
+    blocks_per_unit: int = 1
+    reshard_after_forward: bool | int = True
+    checkpoint_every: int | None = None  # checkpoint_blocks(every=...), or no recomputation
+    cpu_offload: bool = False  # offload_policy=CPUOffloadPolicy()
+
+    def apply(self, model: nn.Module, blocks: str, mesh: DeviceMesh | None = None) -> None:
+        """Annotate `model` (not yet annotated) this way, over `mesh` (default: fully_shard's);
+        `blocks` names its ModuleList."""
+        layers = block_list(model, blocks)
+        if self.checkpoint_every is not None:
+            checkpoint_blocks(model, type(layers[0]), every=self.checkpoint_every)
+        options: dict[str, Any] = {"mesh": mesh}
+        if self.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
+        k = self.blocks_per_unit
+        for i in range(0, len(layers), k):
+            group = list(layers[i:i + k])
+            unit = group if k > 1 else group[0]
+            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
+        fully_shard(model, **options)
+
+    def code(self, blocks: str, block_class: str) -> str:
+        """The calls that realise it, for a model named `model`."""
+        lines = []
+        if self.checkpoint_every is not None:
+            lines.append(f"checkpoint_blocks(model, {block_class}, every={self.checkpoint_every})")
+        option = "" if self.reshard_after_forward is True else (
+            f", reshard_after_forward={self.reshard_after_forward}"
+        )
+        offload = ", offload_policy=CPUOffloadPolicy()" if self.cpu_offload else ""
+        option += offload
+        k = self.blocks_per_unit
+        if k == 1:
+            lines.append(f"for block in model.{blocks}:\n    fully_shard(block{option})")
+        else:
+            lines.append(f"for i in range(0, len(model.{blocks}), {k}):\n"
+                         f"    fully_shard(list(model.{blocks}[i:i + {k}]){option})")
+        lines.append(f"fully_shard(model{offload})")
+        return "\n".join(lines)
+
+    def describe(self) -> str:
+        """In words: "1 block(s)/unit, reshard_after_forward=True, no activation checkpointing"."""
+        offload = ", CPU offload" if self.cpu_offload else ""
+        return (f"{self.blocks_per_unit} block(s)/unit, reshard_after_forward={self.reshard_after_forward}, "
+                f"{_checkpointing(self.checkpoint_every)}{offload}")
+
+
+@dataclasses.dataclass
+class Plan:
+    """A setup and what it costs per rank and step: simulated, or (`simulated` False) ruled
+    out under the budget by a lower bound of its peak, without simulating it."""
+
+    setup: Setup
+    peak_bytes: int  # tracked tensor memory per rank at its peak; not simulated: a lower bound
+    bytes_per_step: int | None  # every all-gather's and reduce-scatter's buffer, one step
+    # (None: not simulated)
+    fits: bool | None  # within the memory budget (None: no budget given)
+    code: str
+    memory_budget: int | None = None  # bytes per rank, as plan() was given it
+    simulated: bool = True  # False: ruled out by peak_lower_bound, peak_bytes that bound
+
+    def __str__(self) -> str:
+        parts = [self.setup.describe(), f"peak {self.peak_words()}"]
+        if self.bytes_per_step is not None:
+            parts.append(f"{size(self.bytes_per_step)}/step communicated")
+        verdict = self.verdict()
+        if verdict and self.fits is False and self.memory_budget is not None:
+            verdict += f" the {size(self.memory_budget)} budget"
+        return " | ".join(parts + ([verdict] if verdict else []))
+
+    def peak_words(self) -> str:
+        """The peak per rank in words: "at least ..." where only its lower bound is known."""
+        return size(self.peak_bytes) if self.simulated else f"at least {size(self.peak_bytes)}"
+
+    def verdict(self) -> str:
+        """"fits", "does not fit[: <bytes> over]", or "" without a budget."""
+        if self.fits is None:
+            return ""
+        if self.fits:
+            return "fits"
+        if self.memory_budget is None:
+            return "does not fit"
+        over = size(self.peak_bytes - self.memory_budget)
+        return f"does not fit: {over if self.simulated else 'at least ' + over} over"
+
+
+def _checkpointing(every: int | None) -> str:
+    """Setup.checkpoint_every in words (checkpoint_blocks(every=n) recomputes every n-th block)."""
+    if every is None:
+        return "no activation checkpointing"
+    return "activation checkpointing of " + ("every block" if every == 1 else f"1 block in {every}")
+
+
+def block_list(model: nn.Module, blocks: str) -> nn.ModuleList:
+    """The ModuleList `model.<blocks>`: the blocks that a Setup groups into units."""
+    layers = model.get_submodule(blocks)
+    assert isinstance(layers, nn.ModuleList), f"model.{blocks} is not a ModuleList"
+    return layers
