@@ -32,8 +32,12 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
     torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
 )
-SHARDED_MARK = "_fsdp_compose_sharded"  # set on every sharded parameter fully_shard makes
-_SEEN = "_fsdp_compose_local_step"  # in an optimizer's __dict__: it was looked at
+# The id of every sharded parameter fully_shard makes. Not an attribute: swap_tensors (as
+# module.to_empty() on a meta model calls it) swaps __dict__s; not a weak reference:
+# swap_tensors refuses a tensor one points to. An id outliving its parameter can only
+# mark another tensor whose optimizer then steps on local tensors: the same arithmetic.
+SHARDED_IDS: set[int] = set()
+_SEEN = "_fsdp_compose_local_step"  # in an optimizer's __dict__: it steps its own way
 
 
 @functools.cache
@@ -43,13 +47,14 @@ def install() -> None:
 
 
 def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Until an elementwise optimizer holds a sharded parameter (a framework may step it
+    once before the model is sharded), look again at each step."""
     if optimizer.__dict__.get(_SEEN):
         return
-    optimizer.__dict__[_SEEN] = True
     if type(optimizer) not in ELEMENTWISE:
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(getattr(p, SHARDED_MARK, False) for p in params):
+        optimizer.__dict__[_SEEN] = True
+    elif any(id(p) in SHARDED_IDS for group in optimizer.param_groups for p in group["params"]):
+        optimizer.__dict__[_SEEN] = True
         optimizer.step = _LocalStep(optimizer, optimizer.step)  # type: ignore[method-assign]
 
 
@@ -62,14 +67,20 @@ class _LocalStep:
         self._inside: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, local)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        optimizer = self._optimizer
-        groups = [group["params"] for group in optimizer.param_groups]
+    def __call__(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """As torch's step. A closure computes the gradients, of the DTensors, so it runs
+        first, as these optimizers run it before they read a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = [group["params"] for group in self._optimizer.param_groups]
         self._enter(groups)
         try:
-            return self._step(*args, **kwargs)
+            self._step(**kwargs)
         finally:
             self._leave(groups)
+        return loss
 
     def _enter(self, groups: list[list[torch.Tensor]]) -> None:
         optimizer, pairs = self._optimizer, []

@@ -12,7 +12,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ..comm.compat import REDUCE_IN_OWN_DTYPE
 from ..comm.meshes import UnitMesh
 from .extension import GatherExtension, carry_hooks
-from .local_step import SHARDED_MARK, install
+from .local_step import SHARDED_IDS, install
 from .local_tensor import give_data, local_of, zeroed_shard
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .replaced import warn_copied
@@ -110,7 +110,7 @@ class ShardedParam:
             give_data(keep, sharded)
             sharded = keep
         self.sharded = sharded
-        setattr(sharded, SHARDED_MARK, True)  # optimizers step on its local tensor
+        SHARDED_IDS.add(id(sharded))  # optimizers step on its local tensor
         self.local = local_of(sharded)  # a detached alias of the view: Parameter() detaches
         carry_hooks(local, self.local)
         self.param_dtype = self.mp_policy.param_dtype or local.dtype

@@ -8,9 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
+from fsdp_compose import fully_shard
 from fsdp_compose.param.local_step import ELEMENTWISE
 from tests.dist.parity import backward, full, max_diff_to, optimizer_step, three_models
 from tests.models import Transformer, lm_loss, token_batch
@@ -157,3 +161,52 @@ def test_dcp_saved_at_2_ranks_loads_at_1_and_4_equal_to_fsdp2s(ranks, tmp_path):
     for world_size in (1, 4):
         loaded = ranks.run(check_load, path=str(tmp_path), world_size=world_size)[0]
         assert loaded["ours"] == loaded["fsdp2"], world_size
+
+
+def check_a_closure_computes_the_gradients() -> tuple[float, bool]:
+    """optimizer.step(closure), as Lightning steps: the closure's backward fills the
+    DTensors' gradients, which the step on local tensors then reads."""
+    _, ours, theirs = three_models(Transformer)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    before = [full(p).clone() for p in ours.parameters()]
+    for step in range(3):
+        batch = token_batch(step, 2 * world).chunk(world)[rank]
+        for model, optim in zip((ours, theirs), optims):
+            def closure(model=model, optim=optim, batch=batch):
+                optim.zero_grad()
+                loss = lm_loss(model, batch)
+                loss.backward()
+                return loss
+            optim.step(closure)
+    moved = all(not torch.equal(a, full(p)) for a, p in zip(before, ours.parameters()))
+    return max_diff_to(ours, theirs), moved and type(optims[0].step).__name__ == "_LocalStep"
+
+
+def test_a_step_with_a_closure_trains_as_fsdp2(ranks):
+    vs_torch, moved = ranks.run(check_a_closure_computes_the_gradients)[0]
+    assert vs_torch == 0.0 and moved
+
+
+def check_a_model_sharded_on_meta_steps_on_local_tensors() -> str:
+    """Sharded on the meta device, then to_empty() (which swaps the parameters' contents
+    with torch.utils.swap_tensors): its optimizer still steps on local tensors."""
+    with torch.device("meta"):
+        model = Transformer()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for p in model.parameters():
+        with torch.no_grad():
+            p.normal_(0, 0.02)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        lm_loss(model, token_batch(step, 2)).backward()
+        optimizer_step([optim])
+    return type(optim.step).__name__
+
+
+def test_a_model_sharded_on_meta_steps_on_local_tensors(ranks):
+    assert ranks.run(check_a_model_sharded_on_meta_steps_on_local_tensors)[0] == "_LocalStep"
