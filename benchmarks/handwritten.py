@@ -5,14 +5,16 @@ Each unit (any module whose parameters are sharded on dim 0 in one dtype: a Line
 transformer block) gets what a unit of fsdp_compose does in a forward and a backward on the
 CPU: its padded shards back to back in one flat tensor; its unsharded parameters views of
 one storage, allocated before forward and backward and freed (resized to 0) after forward;
-gathered in place, one coalesced all-gather writing each parameter's shards straight into
-its own unsharded data, so nothing is copied out (fsdp_compose's InPlaceGather); a hook on
-each unsharded parameter's gradient accumulation that, after the last, chunks the gradients
-into one flat tensor (`_chunk_cat`) for one reduce-scatter that averages, and adds the
-result to the shards' `.grad`. On one rank, as fsdp_compose, the unsharded parameters are
-the shards themselves, nothing is gathered, and each gradient is its own reduced shard. It calls the same process-group methods as
-fsdp_compose. Left out is all a runtime is for: DTensors, checks, a root, prefetch, mixed
-precision, other meshes and shardings, errors, state dicts. A benchmark's, not a runtime.
+gathered with one all-gather of the flat shard into a reused buffer (its storage resized per
+use), whose rows one `split_with_sizes_copy` copies out into the unsharded data, as
+fsdp_compose does on every backend; a hook on each unsharded parameter's gradient
+accumulation that, after the last, chunks the gradients into one flat tensor (`_chunk_cat`)
+for one reduce-scatter that averages, and adds the result to the shards' `.grad`. On one
+rank, as fsdp_compose, the unsharded parameters are the shards themselves, nothing is
+gathered, and each gradient is its own reduced shard. It calls the same process-group
+methods as fsdp_compose. Left out is all a runtime is for: DTensors, checks, a root,
+prefetch, mixed precision, other meshes and shardings, errors, state dicts. A benchmark's,
+not a runtime.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-# The process group's reduce-scatter, called as fsdp_compose calls it (its name varies).
-from fsdp_compose.comm.compat import reduce_scatter_single
+# The process group's all-gather and reduce-scatter, called as fsdp_compose calls them
+# (their names vary).
+from fsdp_compose.comm.compat import all_gather_single, reduce_scatter_single
 
 _GATHER = AllgatherOptions()
 _AVERAGE = dist.ReduceScatterOptions()
@@ -60,10 +63,18 @@ class HandShardedUnit:
         else:
             storage = torch.empty(self.ranks * self.flat.numel())
             unsharded_data = storage.split([self.ranks * size for size in self.sizes])
-            # Through .data, which has its own version counter: the gather must not bump the
-            # one autograd checks on the unsharded parameters it saved.
-            self.outputs = list(storage.data.split([self.ranks * size for size in self.sizes]))
+            # Through .data, which has its own version counter: the copy-out must not bump
+            # the one autograd checks on the unsharded parameters it saved. Each output is
+            # a parameter's rows, one per rank, as the gathered rows hold its shards.
+            self.outputs = [data.view(self.ranks, size) for data, size in zip(
+                storage.data.split([self.ranks * size for size in self.sizes]), self.sizes)]
             self.storage, self.nbytes = storage.untyped_storage(), storage.nbytes
+            # The all-gather's buffer (row r: rank r's flat shard), allocated per gather.
+            self.gathered = torch.empty(self.ranks * self.flat.numel())
+            self.rows = self.gathered.view(self.ranks, -1)
+            self.gathered_storage = self.gathered.untyped_storage()
+            self.gathered_nbytes = self.gathered.nbytes
+            self.gathered_storage.resize_(0)
         unsharded = [nn.Parameter(data[:p.numel()].view(p.shape))
                      for data, (_, _, p) in zip(unsharded_data, owned)]
         self.forms = self._by_owner(owned, sharded, unsharded)
@@ -89,8 +100,11 @@ class HandShardedUnit:
 
     def unshard(self) -> None:
         if self.storage is not None:
+            self.gathered_storage.resize_(self.gathered_nbytes)
+            all_gather_single(self.group, self.gathered, self.flat, _GATHER).wait()
             self.storage.resize_(self.nbytes)
-            self.group.allgather_into_tensor_coalesced(self.outputs, self.shards, _GATHER).wait()
+            torch.split_with_sizes_copy(self.rows, self.sizes, dim=1, out=self.outputs)
+            self.gathered_storage.resize_(0)
         for parameters, _, unsharded in self.forms:
             parameters.update(unsharded)
 

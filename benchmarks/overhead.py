@@ -109,11 +109,10 @@ class Contender:
 
 class CollectiveClock:
     """While installed, the seconds and calls spent inside the process group's all-gathers
-    and reduce-scatters (the runtimes call one of these per unit and pass; fsdp_compose
-    gathers in place with the coalesced one: see unit/layout.py's InPlaceGather)."""
+    and reduce-scatters (the runtimes call one of these per unit and pass)."""
 
     # Their names on this torch.
-    _METHODS = (ALL_GATHER_METHOD, "allgather_into_tensor_coalesced", REDUCE_SCATTER_METHOD)
+    _METHODS = (ALL_GATHER_METHOD, REDUCE_SCATTER_METHOD)
 
     def __init__(self) -> None:
         self.seconds, self.calls = 0.0, 0

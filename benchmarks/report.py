@@ -24,7 +24,6 @@ import textwrap
 from pathlib import Path
 
 from report_full_state_dict import full_state_dict_section
-from report_gather import gather_section
 from report_optimizer import optimizer_section
 from report_overhead import overhead_section
 from report_scale import scale_section
@@ -35,7 +34,6 @@ BENCHMARKS = {  # name: the command that writes its JSON
     "overhead": "python benchmarks/overhead.py, and with --backend gloo",
     "scale": "python benchmarks/scale.py",
     "full_state_dict": "torchrun --nproc_per_node=2 benchmarks/full_state_dict.py",
-    "gather_in_place": "torchrun --nproc_per_node=2 benchmarks/gather_in_place.py",
     "optimizer": "python benchmarks/optimizer.py",
 }
 
@@ -54,7 +52,6 @@ python benchmarks/overhead.py                    # overhead.json, fake process g
 python benchmarks/overhead.py --backend gloo     # overhead.json, one gloo rank
 python benchmarks/scale.py                       # scale.json
 torchrun --nproc_per_node=2 benchmarks/full_state_dict.py   # full_state_dict.json
-torchrun --nproc_per_node=2 benchmarks/gather_in_place.py   # gather_in_place.json
 python benchmarks/optimizer.py                   # optimizer.json
 python benchmarks/report.py                      # docs/performance.md and performance.png
 ```
@@ -107,11 +104,10 @@ def render(found: dict, missing: list[str], results: Path, figure: str | None) -
         sections.append(scale_section(found["scale"]))
     if "optimizer" in found:
         sections.append(optimizer_section(found["optimizer"]))
-    if "gather_in_place" in found:
-        sections.append(gather_section(found["gather_in_place"]))
     if "full_state_dict" in found:
         sections.append(full_state_dict_section(found["full_state_dict"]))
-    return reflow("\n".join(sections)).rstrip() + "\n"
+    # Each section a paragraph of its own: one ending in prose would join the next heading.
+    return reflow("\n".join(s.rstrip("\n") + "\n" for s in sections)).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:

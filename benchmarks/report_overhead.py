@@ -30,12 +30,12 @@ and reduce-scatter calls, timed in separate rounds; the rest is the runtime's ow
 
 {calls} The fake group still copies every rank's shard into the gathered output{copies}{gloo}
 Next come a skeleton of the same hooks (pre/post-forward, a pre-hook on the output's node,
-a hook on each parameter's gradient accumulation) and the unit's tensor work: chunking the
-gradients in, and allocating and freeing buffers. A unit's shards live in one flat tensor;
-its parameters share one unsharded storage, which the all-gather writes into in place (one
-coalesced call, each parameter's shards straight into its own unsharded data, so nothing is
-copied out); the reduce-scatter's input is one reused tensor, shaped once, whose storage is
-resized per use; a unit whose parameters all train
+a hook on each parameter's gradient accumulation) and the unit's tensor work: copying the
+gathered rows out, chunking the gradients in, and allocating and freeing buffers. A unit's
+shards live in one flat tensor, which its one all-gather sends as is; the all-gather's
+output and the reduce-scatter's input are reused tensors, shaped once, whose storage is
+resized per use; the parameters share one unsharded storage, into which one
+`split_with_sizes_copy` copies the gathered rows; a unit whose parameters all train
 learns that its backward is done from hooks on their gradient accumulation, registered once,
 rather than from a view of each input with a node hook made at every forward (which costs
 more, and which units with frozen parameters still pay); a unit swaps the registrations of
@@ -88,7 +88,7 @@ def overhead_section(results: dict) -> str:
         batch=config["batch"], commands="\n".join(commands), provenance="\n".join(lines),
         table=table(header, align, rows), spread=overhead_spread(fake),
         goal=overhead_goal(fake), calls=overhead_calls(first),
-        copies=" (in place, a copy per rank and parameter)" if fake else "",
+        copies=" (a copy per rank)" if fake else "",
         gloo=overhead_gloo(fake, gloo), traced=overhead_traced(fake),
         by_hand=overhead_by_hand(fake), blocks=overhead_blocks(results),
     )
@@ -137,7 +137,7 @@ def overhead_by_hand(fake: dict | None) -> str:
     hand, ours = v[BY_HAND]["us_per_unit"], v["fsdp_compose"]["us_per_unit"]
     theirs = v["torch fully_shard"]["us_per_unit"]
     return (f"\n\nThe row \"by hand\" is a unit's work written out with nothing else "
-            f"(`benchmarks/handwritten.py`: the same in-place all-gathers, hooks, "
+            f"(`benchmarks/handwritten.py`: the same all-gathers and copy-out, hooks, "
             f"`_chunk_cat` and reduce-scatter; its gradients are checked equal to fsdp_compose's before the "
             f"timing). It costs {us(hand)} per unit, {hand / theirs:.3f} of FSDP2's: what the work "
             f"of this design costs on this machine with no runtime around it, about the least a "

@@ -15,9 +15,6 @@ from torch.utils._pytree import tree_leaves
 
 COLLECTIVES = {
     "c10d::_allgather_base_": "all_gather",
-    # One collective gathering each shard into its own output (outputs, inputs, ...): the
-    # in-place gathers on gloo.
-    "c10d::allgather_into_tensor_coalesced_": "all_gather",
     "c10d::_reduce_scatter_base_": "reduce_scatter",
     "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "c10d::allreduce_": "all_reduce",

@@ -132,31 +132,6 @@ def all_gather(
     return None
 
 
-# Backends that gather several tensors into their own outputs as one collective, on the
-# CPU (where no side streams order the writes; see unit/layout.py's in-place rule). Gloo
-# copies the rows out inside the collective: on the CPU this saves no time, and it runs
-# the path that saves the copy on backends writing each output in place (docs/design.md).
-_GATHERS_IN_PLACE = frozenset({"gloo", "fake"})
-
-
-def gathers_in_place(group: ProcessGroup, device: torch.device) -> bool:
-    """Whether `group` gathers several tensors, each into its own output, as one collective
-    on `device` (all_gather_each): on the CPU, over gloo or the fake group."""
-    return device.type == "cpu" and dist.get_backend(group) in _GATHERS_IN_PLACE
-
-
-def all_gather_each(
-    outputs: list[torch.Tensor], shards: list[torch.Tensor], group: ProcessGroup, async_op: bool,
-) -> dist.Work | None:
-    """Gather every rank's `shards[i]` into `outputs[i]`, rank after rank, for every i in
-    one coalesced collective (see gathers_in_place)."""
-    work = group.allgather_into_tensor_coalesced(outputs, shards, _ALL_GATHER_OPTIONS[async_op])
-    if async_op:
-        return work
-    _waited(work)
-    return None
-
-
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, ranks: int,
     reduction: GradReduction, custom: CustomComm | None = None, async_op: bool = True,

@@ -17,8 +17,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .collectives import gathers_in_place
-
 T = TypeVar("T")
 
 
@@ -78,7 +76,6 @@ class UnitMesh(NamedTuple):
     reshard_after_forward: bool | None
     post_forward_mesh: DeviceMesh | None
     spmd: SpmdDims | None = None  # with dp_mesh_dims: the full mesh; `mesh` is its dp part
-    gathers_in_place: bool = False  # see collectives.gathers_in_place
 
 
 def unit_mesh(
@@ -102,7 +99,6 @@ def unit_mesh(
         placements=(Replicate(),) * (mesh.ndim - 1) + (Shard(0),),
         reshard_after_forward=reshard,
         post_forward_mesh=post_forward,
-        gathers_in_place=gathers_in_place(shard_group, device),
     )
 
 

@@ -1,5 +1,6 @@
 """Gathering a unit: one all-gather of every parameter's shard into the unsharded
-parameters, and back (reshard), over the memory layout of unit/layout.py."""
+parameters, and back (reshard), over the memory layout of unit/layout.py. A group of one
+rank gathers nothing: its shards are its unsharded data, or are cast into it."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import observer as _observer
 from ..comm.buffer import ReusedBuffer
-from ..comm.collectives import all_gather, all_gather_each, allocate, collective_failed
+from ..comm.collectives import all_gather, allocate, collective_failed
 from .codec import decode_rows, encode_shards
 from .held import GATHERED, POST_FORWARD, UNSHARDED
-from .layout import Layout, forms_by_owner
+from .layout import CastIn, Layout, forms_by_owner
 from .post_forward import PostForwardShards
 
 if TYPE_CHECKING:  # the part owns its gatherer
@@ -25,7 +26,7 @@ if TYPE_CHECKING:  # the part owns its gatherer
 class _Gather(NamedTuple):
     """An all-gather in flight: its result (row r: rank r's shards) and how to copy it out."""
 
-    gathered: torch.Tensor | None  # (rows, columns); None: in place (see InPlaceGather)
+    gathered: torch.Tensor  # (rows, columns)
     work: Work | torch.Event | None  # wait(): gloo blocks; an event orders the compute stream
     rows: int  # ranks gathered from
     sizes: list[int]  # each parameter's padded shard, per row (bytes if encoded)
@@ -89,7 +90,6 @@ class Gatherer:
         part = self._part
         side = part.streams
         post_forward = self._post_forward
-        in_place = None
         if post_forward is not None and post_forward.is_kept:  # inside the smaller group
             group, sizes, inputs = post_forward.group, post_forward.sizes, post_forward.take()
             rows = group.size()
@@ -100,14 +100,12 @@ class Gatherer:
             if layout is not None and layout.zero_copy:
                 self._register_unsharded()  # the shards are the unsharded data
                 return
-            if layout is not None and layout.in_place is not None and side is None \
-                    and part.custom_all_gather is None:  # side streams: see comm/streams.py
-                in_place = layout
+            if layout is not None and layout.cast_in is not None:
+                self._cast_in(layout, layout.cast_in)
+                return
             mesh = part.mesh
             group, rows, sizes, inputs = mesh.shard_group, mesh.shard_size, part.sizes, None
-        if in_place is not None:
-            self._pending = self._start_in_place(in_place, async_op)
-        elif side is None:
+        if side is None:
             self._pending = self._start(group, rows, sizes, inputs, async_op)
         else:
             if written_on_compute:
@@ -157,24 +155,12 @@ class Gatherer:
             observer.end(part, _observer.ISSUE_GATHER, gathered.nbytes)
         return _Gather(gathered, work, rows, sizes, encoded, inputs, layout, inputs is not None)
 
-    def _start_in_place(self, layout: Layout, async_op: bool) -> _Gather:
-        """Issue the all-gathers straight into the unsharded data (see InPlaceGather)."""
-        part, in_place = self._part, layout.in_place
-        assert in_place is not None, "checked by unshard"
-        if (observer := _observer.current) is not None:
-            observer.begin(part, _observer.ISSUE_GATHER)
+    def _cast_in(self, layout: Layout, cast_in: CastIn) -> None:
+        """One rank: cast (and move) each shard straight into its unsharded data, on the
+        current stream, and register the unsharded parameters (see CastIn)."""
         self._allocate(layout)
-        shards = in_place.shards
-        if layout.flat_needs_cast:  # kept referenced until waited for: gloo reads it then
-            shards = list(torch.split_with_sizes(self._flat_shard(layout), part.sizes))
-        mesh = part.mesh
-        try:
-            work = all_gather_each(in_place.outputs, shards, mesh.shard_group, async_op)
-        except RuntimeError as error:
-            raise collective_failed(part.label, "all-gather", mesh.shard_size, error) from error
-        if observer is not None:
-            observer.end(part, _observer.ISSUE_GATHER, sum(o.nbytes for o in in_place.outputs))
-        return _Gather(None, work, mesh.shard_size, part.sizes, False, shards, layout)
+        torch._foreach_copy_(cast_in.targets, cast_in.shards, non_blocking=True)
+        self._register_unsharded()
 
     def _allocate(self, layout: Layout) -> None:
         """Give `layout`'s unsharded storages their bytes, unless they hold them already."""
@@ -217,14 +203,11 @@ class Gatherer:
             except RuntimeError as error:
                 raise collective_failed(part.label, "all-gather", gather.rows, error) from error
         layout = gather.layout
-        if gather.gathered is None:  # gathered in place, into storages allocated at its start
-            self._allocated = layout  # (even if the part was laid out anew since)
-        else:
-            self._allocate(layout)
-            self._copy_out(gather, gather.gathered, layout)
-            self._buffer.release()
-            if part.streams is not None:
-                part.streams.copied_out()
+        self._allocate(layout)
+        self._copy_out(gather, layout)
+        self._buffer.release()
+        if part.streams is not None:
+            part.streams.copied_out()
         self._register_unsharded()
         if observer is not None:
             observer.end(part, _observer.WAIT_GATHER)
@@ -238,9 +221,9 @@ class Gatherer:
                 p.to_unsharded()
         self.is_unsharded = True
 
-    def _copy_out(self, gather: _Gather, gathered: torch.Tensor, layout: Layout) -> None:
+    def _copy_out(self, gather: _Gather, layout: Layout) -> None:
         """Write the gathered rows into each parameter's unsharded data."""
-        part, targets = self._part, layout.targets
+        part, targets, gathered = self._part, layout.targets, gather.gathered
         if gather.from_post_forward:
             assert self._post_forward is not None
             self._post_forward.copy_out(gathered, part.all_dim0)

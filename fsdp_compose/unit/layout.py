@@ -36,14 +36,14 @@ class DtypeFacts:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class InPlaceGather:
-    """Each parameter gathered straight into its own unsharded data (one all-gather per
-    parameter, all in one coalesced collective): the runtime copies nothing out. Where the
-    backend coalesces and every parameter is sharded on dim 0 in one dtype (see
-    in_place_gather)."""
+class CastIn:
+    """A group of one rank whose shards are not what computes (another dtype: a
+    mixed-precision policy; CPU memory: offload): each shard is its whole parameter, cast
+    (and moved) straight into its unsharded data, one foreach copy for the part. Nothing
+    is gathered, and nothing copied out."""
 
-    outputs: list[torch.Tensor]  # each parameter's unsharded data, flat, padding last
-    shards: list[torch.Tensor]  # each parameter's padded shard: views of the flat shard
+    targets: list[torch.Tensor]  # each parameter's unsharded data, flat (through .data)
+    shards: list[torch.Tensor]  # each parameter's padded shard, as many elements
 
 
 @dataclasses.dataclass(frozen=True, slots=True)  # slots: read at every gather and reduction
@@ -60,11 +60,11 @@ class Layout:
     targets: list[torch.Tensor]  # where each parameter's gathered rows land
     registrations: list[OwnerForms]
     extended: list[ShardedParam]  # with all-gather hooks: see param/extension.py
-    # A group of one rank whose shards are already what computes (dtype, device, no codec,
-    # no hooks, no custom all-gather): the unsharded parameters are views of the shards;
-    # nothing is gathered.
+    # A group of one rank (no codec, no hooks, no custom all-gather) gathers nothing. Where
+    # its shards are already what computes (dtype, device), the unsharded parameters are
+    # views of them (zero_copy); else the shards are cast into the unsharded data (cast_in).
     zero_copy: bool
-    in_place: InPlaceGather | None
+    cast_in: CastIn | None
 
 
 def dtype_facts(params: list[ShardedParam]) -> DtypeFacts:
@@ -95,7 +95,8 @@ def lay_out(
     rows, numel, device = mesh.shard_size, sum(sizes), mesh.device
     flat = None if extended else flat_shards(params, numel)
     gather_spec = None if flat is None else ((rows, numel), dtypes.param_dtype, device)
-    zero_copy = rows == 1 and not extended and not customised and all(
+    one_rank = rows == 1 and not extended and not customised
+    zero_copy = one_rank and all(
         (p.padded_shard.dtype, p.padded_shard.device) == (p.param_dtype, device) for p in params
     )
     buffers: list[torch.Tensor] = []
@@ -123,25 +124,10 @@ def lay_out(
         registrations=forms_by_owner(r for p in params for r in p.registrations()),
         extended=extended,
         zero_copy=zero_copy,
-        in_place=None if zero_copy else in_place_gather(params, mesh, flat, dtypes, customised),
-    )
-
-
-def in_place_gather(
-    params: list[ShardedParam], mesh: UnitMesh, flat: torch.Tensor | None, dtypes: DtypeFacts,
-    customised: bool,
-) -> InPlaceGather | None:
-    """Gather in place when the backend can (comm.collectives.gathers_in_place) and each
-    parameter's gathered rows, rank after rank, are its unsharded data: sharded on dim 0
-    (padding last), one dtype, sent as is (no codec, hooks or complex pairs). Else None:
-    one all-gather of the flat shard, copied out (docs/performance.md measures both)."""
-    if not (mesh.gathers_in_place and mesh.shard_size > 1) or flat is None or customised:
-        return None
-    if dtypes.mixed_dtypes or dtypes.is_complex or any(p.layout.dim != 0 for p in params):
-        return None
-    return InPlaceGather(
-        outputs=[p.gather_target.view(-1) for p in params],
-        shards=[p.padded_shard for p in params],  # views of `flat`: see flat_shards
+        cast_in=CastIn(  # the buffers' .data: see Note [version counter] in sharded_param.py
+            targets=[p.unsharded_buffer.data for p in params],
+            shards=[p.padded_shard for p in params],
+        ) if one_rank and not zero_copy else None,
     )
 
 

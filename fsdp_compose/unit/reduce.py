@@ -106,11 +106,6 @@ class Reducer:
             return False
         dtypes = dtype_facts(self.params) if layout is None else layout.dtypes
         reduction = self._grad_reduction(dtypes)
-        if self._reduces_nothing(grads, dtypes, reduction):
-            part.grads.hold_shards(params, [g.reshape(-1) for g in grads])
-            if observer is not None:
-                observer.end(part, _observer.ISSUE_REDUCE, 0)
-            return True
         self._pending = self._start(params, grads, dtypes, reduction)
         if observer is not None:
             observer.end(part, _observer.ISSUE_REDUCE, self._pending.input.nbytes)
@@ -167,19 +162,6 @@ class Reducer:
         # pads them to the shard layout and casts to reduce_dtype. Private: docs/design.md.
         torch._chunk_cat(grads, dim=0, num_chunks=part.mesh.shard_size, out=rows)
         return rows, flat, sizes
-
-    def _reduces_nothing(
-        self, grads: list[torch.Tensor], dtypes: DtypeFacts, reduction: GradReduction
-    ) -> bool:
-        """Whether each gradient is its own reduced shard, with no copy: one rank and no
-        replicas, nothing to scale or hook, every gradient in reduce_dtype already."""
-        mesh = self._part.mesh
-        return (
-            mesh.shard_size == 1 and mesh.replicate_group is None
-            and self.custom_reduce_scatter is None and self.all_reduce_hook is None
-            and reduction.pre_scale is None and reduction.post_divide is None
-            and all(g.dtype == dtypes.reduce_dtype for g in grads)
-        )
 
     def _grad_reduction(self, dtypes: DtypeFacts) -> GradReduction:
         """How this part's gradients are averaged, kept until its settings or its reduce

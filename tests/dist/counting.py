@@ -9,13 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
 ALL_GATHER = "c10d::_allgather_base_"
-
-
-# fsdp_compose's in-place gathers: a unit's parameters, each into its own output, in one
-# collective (see unit/layout.py's InPlaceGather). Counted as the unit's one all-gather.
-ALL_GATHER_EACH = "c10d::allgather_into_tensor_coalesced_"
 
 
 REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
@@ -42,9 +36,7 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             name = func._schema.name
-            if name == ALL_GATHER_EACH:  # (outputs, inputs, group, ...)
-                self._count(ALL_GATHER, sum(_nbytes(t) for t in args[0]), args[2])
-            elif name in (ALL_GATHER, REDUCE_SCATTER):  # (output, input, group, ...)
+            if name in (ALL_GATHER, REDUCE_SCATTER):  # (output, input, group, ...)
                 self._count(name, max(_nbytes(t) for t in args[:2]), args[2])
             elif name == ALL_REDUCE:  # (tensors, group, ...)
                 self._count(name, sum(_nbytes(t) for t in args[0]), args[1])
@@ -63,18 +55,14 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class OpCounter(TorchDispatchMode):
-    """Every op dispatched while active, by name, and the data pointers of the outputs of
-    in-place gathers (ALL_GATHER_EACH): where the gathered parameters live."""
+    """Every op dispatched while active, by name."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter = Counter()
-        self.gathered_into: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func._schema.name] += 1
-        if func._schema.name == ALL_GATHER_EACH:
-            self.gathered_into.update(t.data_ptr() for t in args[0])
         return func(*args, **(kwargs or {}))
 
 
@@ -102,8 +90,6 @@ class GatherOrder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func._schema.name == ALL_GATHER:
             self.sizes.append(all_gather(args[0].numel()))
-        elif func._schema.name == ALL_GATHER_EACH:
-            self.sizes.append(all_gather(sum(t.numel() for t in args[0])))
         elif func._schema.name == REDUCE_SCATTER and self.reduce_scatters:
             self.sizes.append(reduce_scatter(args[1].numel()))
         elif func._schema.name in ("aten::addmm", "aten::mm"):

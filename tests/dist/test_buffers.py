@@ -10,18 +10,23 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import fully_shard
 from fsdp_compose.comm import observer
 from fsdp_compose.schedule.state import state_of
 from fsdp_compose.unit.held import (
-    GATHERED, GRADIENT_LEDGER, KINDS, POST_FORWARD, REDUCE_INPUT, REDUCE_OUTPUT, UNSHARDED,
+    GATHERED,
+    GRADIENT_LEDGER,
+    KINDS,
+    POST_FORWARD,
+    REDUCE_INPUT,
+    REDUCE_OUTPUT,
+    UNSHARDED,
 )
 from tests.dist.parity import per_block
 from tests.models import Transformer, lm_loss, token_batch
@@ -81,14 +86,13 @@ def owned(model: torch.nn.Module, optim: torch.optim.Optimizer) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors}
 
 
-def check_buffers(setup: str) -> dict[str, object]:
+def check_buffers() -> dict[str, object]:
     world = dist.get_world_size()
     gc.collect()
     before = storages(gc.get_objects())
     torch.manual_seed(0)
     model = Transformer(depth=4)
-    kwargs = {"shard_placement_fn": lambda p: Shard(1) if p.ndim == 2 else None} if setup == "flat" else {}
-    per_block(model, fully_shard, **kwargs)
+    per_block(model, fully_shard)
     units = [state_of(m).unit for m in (*model.blocks, model)]
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler, between = Sampler(units), []
@@ -112,16 +116,13 @@ def check_buffers(setup: str) -> dict[str, object]:
             "shards": padded_bytes(model.parameters(), world) // world}
 
 
-@pytest.mark.parametrize("setup", ["in place", "flat"])
-def test_buffers_stay_within_their_bounds_and_none_outlives_a_step(ranks, setup):
-    for r in ranks.run(check_buffers, world_size=2, setup=setup):
+def test_buffers_stay_within_their_bounds_and_none_outlives_a_step(ranks):
+    for r in ranks.run(check_buffers, world_size=2):
         peak, largest = r["peak"], r["largest"]
         # The root stays unsharded through the step; one block computes, one is prefetched.
         assert r["root"] < peak[UNSHARDED] <= r["root"] + 2 * r["blocks"], peak
-        if setup == "in place":  # gathered straight into the unsharded storages
-            assert peak[GATHERED] == 0, peak
-        else:  # one unit's flat all-gather in flight, another's being copied out
-            assert 0 < peak[GATHERED] <= 2 * largest, peak
+        # One unit's all-gather in flight, another's being copied out.
+        assert 0 < peak[GATHERED] <= 2 * largest, peak
         assert peak[POST_FORWARD] == 0, peak
         assert 0 < peak[REDUCE_INPUT] <= 2 * largest, peak  # reductions in flight
         assert 0 < peak[REDUCE_OUTPUT] <= 2 * largest // r["world"], peak
@@ -186,5 +187,6 @@ def test_steady_steps_allocate_only_the_gradients(ranks):
     for counts in ranks.run(count_allocations, world_size=2):
         # One new tensor per reduction: its output becomes the sharded .grads (zero_grad
         # freed the last). Every other buffer is reused: its storage grows for a use and
-        # shrinks after it (the unsharded data per gather, the reduce-scatter's input).
-        assert counts == [(units, 2 * gathers + 2 * units)] * 3, counts
+        # shrinks after it (per gather the all-gather's output and the unsharded data, per
+        # reduction the reduce-scatter's input).
+        assert counts == [(units, 4 * gathers + 2 * units)] * 3, counts
