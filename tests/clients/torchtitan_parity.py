@@ -1,5 +1,6 @@
-"""torchtitan's own MoE trainers with fsdp_compose's fully_shard in place of torch's,
-compared step by step with FSDP2 (torch's fully_shard), on CPU with gloo.
+"""torchtitan's own trainers (the MoE debug models, and the dense llama3 debug model) with
+fsdp_compose's fully_shard in place of torch's, compared step by step with FSDP2 (torch's
+fully_shard), on CPU with gloo.
 
 Not a pytest module (it needs torchtitan, which the project does not depend on): see
 CONTRIBUTING.md, "Checking real clients: torchtitan", for the venv it runs in.
@@ -8,18 +9,25 @@ Two roles:
 
 * worker, under torchrun: runs torchtitan's real Trainer (torchtitan.trainer.Trainer, as
   torchtitan.train.main builds it) for one model / SPMD backend / expert-parallel degree with
-  either torch's fully_shard (--impl torch) or fsdp_compose's (--impl compose), and writes
-  the loss, max loss and grad norm of every step and a checksum of every parameter (sum,
-  abs sum and sha256 of its full tensor) to --out (JSON, rank 0)::
+  torch's fully_shard (--impl torch) or fsdp_compose's (--impl compose, or --impl launcher
+  under `python -m fsdp_compose.run`), and writes the loss, max loss and grad norm of every
+  step, a checksum of every parameter (sum, abs sum and sha256 of its full tensor) and
+  whose fully_shard ran (the FSDPModule class in the MRO of every annotated module, and
+  where torchtitan's FSDP names come from) to --out (JSON, rank 0)::
 
     torchrun --standalone --nproc_per_node 2 tests/clients/torchtitan_parity.py \
         --model deepseek_v3 --backend full_dtensor --ep 1 --impl compose --out /tmp/c.json
+    torchrun --standalone --nproc_per_node 2 -m fsdp_compose.run tests/clients/torchtitan_parity.py \
+        --model deepseek_v3 --backend full_dtensor --ep 1 --impl launcher --out /tmp/l.json
 
-* driver, plain python: runs the worker once per implementation for each requested config
-  and prints one table row per config (add --keep-going to go on past a failure)::
+* driver, plain python: runs the worker with torch's fully_shard and then with each
+  implementation named by --impl (compose by default; torch is always the reference) for
+  each requested config, and prints one table row per config and implementation (add
+  --keep-going to go on past a failure)::
 
     python tests/clients/torchtitan_parity.py --model deepseek_v3 \
         --backend partial_dtensor full_dtensor spmd_types --world 2 4 --ep 1 2
+    python tests/clients/torchtitan_parity.py --impl compose launcher --world 2
 
 What is changed in torchtitan, alike for both implementations: CPU stands in for the
 accelerator (torchtitan picks "cuda" when torch has none); FlexAttention runs as plain
@@ -41,6 +49,21 @@ FSDPModule of torch.distributed._composable.fsdp, which torchtitan's chunked los
 inside a call) to fsdp_compose's: fully_shard, FSDPModule, MixedPrecisionPolicy and
 CPUOffloadPolicy; with --swap-mesh-dims DataParallelMeshDims too (fsdp_compose takes
 torch's as it is, and torchtitan hands it to a torch helper as well).
+
+--impl launcher rebinds nothing itself: the driver starts it as `torchrun ... -m
+fsdp_compose.run tests/clients/torchtitan_parity.py --impl launcher ...`, the way a user
+starts `-m torchtitan.train`, so fsdp_compose gets in only through the launcher's
+replace_torch_fsdp(), which rebinds torch's public FSDP2 names in torch.distributed.fsdp
+and its re-exports before this script (and so torchtitan) is imported. The worker keeps only
+the changes above, which apply to all implementations alike. It refuses to start unless
+torch.distributed.fsdp.fully_shard is already fsdp_compose's (the torch and compose
+workers refuse unless it is still torch's). The switch also rebinds DataParallelMeshDims
+wherever torch has it (torch 2.13 has), so torchtitan then holds fsdp_compose's: launcher
+mode always behaves like compose with --swap-mesh-dims as to that name (the flag is
+implied there: the driver does not forward it, a launcher worker refuses it, and the
+driver checks which class torchtitan held). It swaps UnshardHandle, OffloadPolicy,
+register_fsdp_forward_method and share_comm_ctx as well, which compose leaves alone
+(torchtitan 0.3.0 does not use them).
 """
 
 from __future__ import annotations
@@ -64,8 +87,13 @@ MODELS = {
     # name: (config_registry module, config function)
     "deepseek_v3": ("torchtitan.models.deepseek_v3.config_registry", "deepseek_v3_debugmodel"),
     "qwen3_moe": ("torchtitan.models.qwen3.config_registry", "qwen3_moe_debug"),
+    "llama3": ("torchtitan.models.llama3.config_registry", "llama3_debugmodel"),
 }
+DENSE = ("llama3",)  # no experts: run with --ep 1 only
 BACKENDS = ("partial_dtensor", "full_dtensor", "spmd_types")
+# torch: torch's fully_shard; compose: fsdp_compose's, rebound by this script in torchtitan's
+# modules; launcher: fsdp_compose's through `python -m fsdp_compose.run` only
+IMPLS = ("torch", "compose", "launcher")
 SWAPPED = ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy")
 # fsdp_compose takes torch's DataParallelMeshDims as it is; swapping it too (--swap-mesh-dims)
 # also hands fsdp_compose's to the torch helper torchtitan calls for expert parallelism
@@ -356,6 +384,66 @@ def _param_checksums(model: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+# torch's public FSDP2 names, the ones replace_torch_fsdp (the launcher's switch) rebinds in
+# torch.distributed.fsdp and its re-exports where torch has them.
+FSDP_NAMES = ("fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy",
+              "OffloadPolicy", "CPUOffloadPolicy", "register_fsdp_forward_method",
+              "share_comm_ctx", MESH_DIMS)
+
+
+def _package(module: str) -> str:
+    """'torch' or 'fsdp_compose' for a (dotted) name under either, else the name itself."""
+    top = module.split(".")[0]
+    return top if top in ("torch", "fsdp_compose") else module
+
+
+def _switch_state() -> dict[str, str]:
+    """`module.name` -> defining module of that object, for torch's public FSDP2 names in
+    torch.distributed.fsdp and its re-exports (what a launcher's switch rebinds)."""
+    state = {}
+    for mod_name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp",
+                     "torch.distributed.fsdp._fully_shard"):
+        try:
+            module = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        for name in FSDP_NAMES:
+            if hasattr(module, name):
+                state[f"{mod_name}.{name}"] = getattr(module, name).__module__
+    return state
+
+
+def _torchtitan_fsdp_names() -> dict[str, str]:
+    """`module.attr` -> defining module, for every name a torchtitan module holds that is
+    one of torch's or fsdp_compose's public FSDP2 objects (by name and defining package)."""
+    held = {}
+    for mod_name, module in list(sys.modules.items()):
+        if not mod_name.startswith("torchtitan") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            name = getattr(value, "__name__", None)
+            home = getattr(value, "__module__", None) or ""
+            if name in FSDP_NAMES and home.split(".")[0] in ("torch", "fsdp_compose") and (
+                    home.startswith(("torch.distributed.fsdp", "torch.distributed._composable",
+                                     "fsdp_compose"))):
+                held[f"{mod_name}.{attr}"] = home
+    return held
+
+
+def _fsdp_classes(model: Any) -> dict[str, int]:
+    """The FSDPModule class in the MRO of every module fully_shard annotated
+    (`module.qualname` -> count): the proof of whose fully_shard ran, read off the classes
+    themselves (under the launcher torch.distributed.fsdp.FSDPModule is fsdp_compose's, so
+    an isinstance against it would not tell)."""
+    found: dict[str, int] = {}
+    for module in model.modules():
+        bases = [c for c in type(module).__mro__ if c.__name__ == "FSDPModule"]
+        for base in bases:
+            key = f"{base.__module__}.{base.__qualname__}"
+            found[key] = found.get(key, 0) + 1
+    return found
+
+
 def worker(args: argparse.Namespace) -> int:
     import torch
 
@@ -363,6 +451,18 @@ def worker(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"args": vars(args), "ok": False, "steps": []}
     trainer = None
     try:
+        # whose names torch.distributed.fsdp holds before torchtitan is imported: the
+        # launcher's switch, or nothing
+        result["switch_at_start"] = _switch_state()
+        at_start = _package(result["switch_at_start"]["torch.distributed.fsdp.fully_shard"])
+        want = "fsdp_compose" if args.impl == "launcher" else "torch"
+        if at_start != want:
+            raise RuntimeError(
+                f"--impl {args.impl}: torch.distributed.fsdp.fully_shard is {at_start}'s at start, "
+                f"expected {want}'s; " + ("start it as torchrun ... -m fsdp_compose.run "
+                                          "tests/clients/torchtitan_parity.py --impl launcher ..."
+                                          if want == "fsdp_compose" else
+                                          "start it without python -m fsdp_compose.run"))
         _import_torchtitan()
         _cpu_attention()
         result["torch_compat"] = _torch_compat()
@@ -370,8 +470,9 @@ def worker(args: argparse.Namespace) -> int:
         from torchtitan.tools.logging import init_logger
 
         init_logger()
-        if args.impl == "compose":
-            result["swapped"] = _swap_in_fsdp_compose(args.swap_mesh_dims)
+        # launcher: nothing rebound here; fsdp_compose got in through the launcher's switch
+        result["swapped"] = (_swap_in_fsdp_compose(args.swap_mesh_dims)
+                             if args.impl == "compose" else [])
         if not args.no_force_sum:
             _force_sum_reduction()
         module, fn = MODELS[args.model]
@@ -412,14 +513,13 @@ def worker(args: argparse.Namespace) -> int:
         result["train_s"] = time.perf_counter() - t0
         model = trainer.model_parts[0]
         result["params"] = _param_checksums(model)
-        import torch.distributed.fsdp as torch_fsdp
-
-        import fsdp_compose
-
-        result["units"] = {  # which fully_shard annotated the model, counted
-            "torch": sum(isinstance(m, torch_fsdp.FSDPModule) for m in model.modules()),
-            "fsdp_compose": sum(isinstance(m, fsdp_compose.FSDPModule) for m in model.modules()),
-        }
+        result["fsdp_classes"] = _fsdp_classes(model)
+        result["units"] = {"torch": 0, "fsdp_compose": 0}  # which fully_shard annotated, counted
+        for cls, n in result["fsdp_classes"].items():
+            owner = _package(cls)
+            result["units"][owner] = result["units"].get(owner, 0) + n
+        result["switch_at_end"] = _switch_state()
+        result["torchtitan_fsdp_names"] = _torchtitan_fsdp_names()
         result["ok"] = True
     except BaseException as e:  # noqa: BLE001  (reported, then re-raised by exit code)
         result["error"] = f"{type(e).__name__}: {e}"
@@ -447,15 +547,19 @@ def _run(config: dict[str, Any], impl: str, args: argparse.Namespace, workdir: s
     out = os.path.join(workdir, f"{tag}.json")
     dump = os.path.join(workdir, tag)
     os.makedirs(dump, exist_ok=True)
+    # launcher: the way a user starts torchtitan under fsdp_compose (torchrun -m
+    # fsdp_compose.run -m torchtitan.train ...); the worker then rebinds nothing itself
+    launcher = ["-m", "fsdp_compose.run"] if impl == "launcher" else []
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={config['world']}", os.path.abspath(__file__), "--worker",
+        f"--nproc_per_node={config['world']}", *launcher, os.path.abspath(__file__), "--worker",
         "--model", config["model"], "--backend", config["backend"], "--ep", str(config["ep"]),
         "--impl", impl, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
         "--batch", str(args.batch), "--seed", str(args.seed), "--param-dtype", args.param_dtype,
         "--out", out, "--dump", dump, *(["--no-ac"] if args.no_ac else []),
         *(["--no-force-sum"] if args.no_force_sum else []),
-        *(["--swap-mesh-dims"] if args.swap_mesh_dims else []),
+        # only compose takes it: under the launcher DataParallelMeshDims is always swapped
+        *(["--swap-mesh-dims"] if args.swap_mesh_dims and impl == "compose" else []),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log_path = os.path.join(workdir, f"{tag}.log")
@@ -506,57 +610,92 @@ def _compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             "names_match": names_match, "identical": identical, "spec_differing": spec_differing}
 
 
+def _whose(got: dict[str, Any], impl: str) -> str | None:
+    """Why a worker's result does not show the fully_shard its --impl asks for (None if it
+    does): the FSDP classes of the annotated modules, and for the launcher that torch's
+    names were fsdp_compose's before torchtitan was imported, that the worker rebound
+    nothing itself, and that every FSDP name torchtitan holds is fsdp_compose's."""
+    want = "torch" if impl == "torch" else "fsdp_compose"
+    units = got.get("units") or {}
+    if not units.get(want) or any(n for k, n in units.items() if k != want):
+        return f"model annotated by the wrong fully_shard: {got.get('fsdp_classes')}"
+    if impl == "launcher":
+        if got.get("swapped"):
+            return f"the launcher worker rebound names itself: {got['swapped'][:4]}"
+        torch_names = {k: v for k, v in (got.get("switch_at_start") or {}).items()
+                       if _package(v) != "fsdp_compose"}
+        if not got.get("switch_at_start") or torch_names:
+            return f"torch's names not switched before torchtitan was imported: {torch_names}"
+        held = got.get("torchtitan_fsdp_names") or {}
+        torch_held = {k: v for k, v in held.items() if _package(v) != "fsdp_compose"}
+        if not held or torch_held:
+            return f"torchtitan holds torch's FSDP names under the launcher: {torch_held}"
+    return None
+
+
 def driver(args: argparse.Namespace) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="tt_parity_")
     os.makedirs(workdir, exist_ok=True)
+    impls = [i for i in dict.fromkeys(args.impl or ["compose"]) if i != "torch"]
     configs = [
         {"model": m, "backend": b, "world": w, "ep": e}
         for m in args.model for b in args.backend for w in args.world for e in args.ep
-        if w % e == 0
+        if w % e == 0 and (e == 1 or m not in DENSE)
     ]
     rows = []
-    header = (f"{'model':12} {'backend':16} {'world':>5} {'ep':>3} {'steps':>5} "
-              f"{'FSDP2 ran':9} {'compose ran':11} {'identical':9} {'max|dloss|':>11} "
+    header = (f"{'model':12} {'backend':16} {'world':>5} {'ep':>3} {'impl':8} {'steps':>5} "
+              f"{'FSDP2 ran':9} {'impl ran':8} {'identical':9} {'max|dloss|':>11} "
               f"{'max|dparam sum|':>16} {'max|dgrad norm|':>15}")
     print(f"work dir: {workdir}\n{header}", flush=True)
     failed = False
+    fmt = lambda v: "-" if v is None else f"{v:.3e}"  # noqa: E731
     for config in configs:
         ref = _run(config, "torch", args, workdir)
-        new = _run(config, "compose", args, workdir) if ref.get("ok") or args.compose_anyway else None
-        for _who, got, want in (("fsdp2", ref, "torch"), ("compose", new, "fsdp_compose")):
-            units = (got or {}).get("units") or {}
-            if got and got.get("ok") and (not units.get(want) or any(
-                    n for k, n in units.items() if k != want)):
-                got["ok"], got["error"] = False, f"model annotated by the wrong fully_shard: {units}"
-        row = dict(config, fsdp2_ok=bool(ref.get("ok")), compose_ok=bool(new and new.get("ok")),
-                   fsdp2_error=ref.get("error"), compose_error=new and new.get("error"),
-                   fsdp2_log=ref.get("log"), compose_log=new and new.get("log"))
-        if ref.get("ok") and new and new.get("ok"):
-            row.update(_compare(ref, new))
-            row["losses_fsdp2"] = [s["loss"] for s in ref["steps"]]
-            row["losses_compose"] = [s["loss"] for s in new["steps"]]
-        rows.append(row)
-        ident = row.get("identical")
-        fmt = lambda v: "-" if v is None else f"{v:.3e}"  # noqa: E731
-        print(f"{config['model']:12} {config['backend']:16} {config['world']:>5} {config['ep']:>3} "
-              f"{row.get('steps', '-')!s:>5} {('yes' if row['fsdp2_ok'] else 'NO'):9} "
-              f"{('yes' if row['compose_ok'] else ('NO' if new else 'not run')):11} "
-              f"{('-' if ident is None else ('yes' if ident else 'NO')):9} "
-              f"{fmt(row.get('loss_diff')):>11} {fmt(row.get('param_sum_diff')):>16} "
-              f"{fmt(row.get('grad_norm_diff')):>15}", flush=True)
-        for who in ("fsdp2", "compose"):
-            if row.get(f"{who}_error"):
-                print(f"    {who} failed: {row[f'{who}_error'][:400]} (log {row[f'{who}_log']})",
-                      flush=True)
-        if row.get("params_differing"):
-            print(f"    parameters differing: {row['params_differing'][:8]}"
-                  f"{' ...' if len(row['params_differing']) > 8 else ''}", flush=True)
-        if row.get("spec_differing"):
-            print(f"    sharded DTensor specs differing ({len(row['spec_differing'])}): "
-                  f"{row['spec_differing'][:3]}", flush=True)
-        bad = row["fsdp2_ok"] and not row.get("identical")
-        failed |= bad
-        if bad and not args.keep_going:
+        if ref.get("ok") and (why := _whose(ref, "torch")):
+            ref["ok"], ref["error"] = False, why
+        stop = False
+        for impl in impls:
+            new = _run(config, impl, args, workdir) if ref.get("ok") or args.compose_anyway else None
+            if new and new.get("ok") and (why := _whose(new, impl)):
+                new["ok"], new["error"] = False, why
+            row = dict(config, impl=impl, fsdp2_ok=bool(ref.get("ok")),
+                       impl_ok=bool(new and new.get("ok")), fsdp2_error=ref.get("error"),
+                       impl_error=new and new.get("error"), fsdp2_log=ref.get("log"),
+                       impl_log=new and new.get("log"))
+            if new is not None:
+                row["impl_fsdp_classes"] = new.get("fsdp_classes")
+                row["impl_torchtitan_fsdp_names"] = new.get("torchtitan_fsdp_names")
+            if ref.get("ok") and new and new.get("ok"):
+                row.update(_compare(ref, new))
+                row["losses_fsdp2"] = [s["loss"] for s in ref["steps"]]
+                row["losses_impl"] = [s["loss"] for s in new["steps"]]
+            rows.append(row)
+            ident = row.get("identical")
+            print(f"{config['model']:12} {config['backend']:16} {config['world']:>5} "
+                  f"{config['ep']:>3} {impl:8} {row.get('steps', '-')!s:>5} "
+                  f"{('yes' if row['fsdp2_ok'] else 'NO'):9} "
+                  f"{('yes' if row['impl_ok'] else ('NO' if new else 'not run')):8} "
+                  f"{('-' if ident is None else ('yes' if ident else 'NO')):9} "
+                  f"{fmt(row.get('loss_diff')):>11} {fmt(row.get('param_sum_diff')):>16} "
+                  f"{fmt(row.get('grad_norm_diff')):>15}", flush=True)
+            if row["impl_ok"]:
+                print(f"    {impl} ran fully_shard of: {row['impl_fsdp_classes']}", flush=True)
+            for who in ("fsdp2", "impl"):
+                if row.get(f"{who}_error"):
+                    print(f"    {impl if who == 'impl' else who} failed: "
+                          f"{row[f'{who}_error'][:400]} (log {row[f'{who}_log']})", flush=True)
+            if row.get("params_differing"):
+                print(f"    parameters differing: {row['params_differing'][:8]}"
+                      f"{' ...' if len(row['params_differing']) > 8 else ''}", flush=True)
+            if row.get("spec_differing"):
+                print(f"    sharded DTensor specs differing ({len(row['spec_differing'])}): "
+                      f"{row['spec_differing'][:3]}", flush=True)
+            bad = row["fsdp2_ok"] and not row.get("identical")
+            failed |= bad
+            if bad and not args.keep_going:
+                stop = True
+                break
+        if stop:
             break
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(rows, f, indent=1)
@@ -571,7 +710,10 @@ def main() -> int:
     p.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     p.add_argument("--world", nargs="+", type=int, default=[2, 4])
     p.add_argument("--ep", nargs="+", type=int, default=[1, 2])
-    p.add_argument("--impl", choices=("torch", "compose"), default="torch")
+    p.add_argument("--impl", nargs="+", choices=IMPLS, default=None,
+                   help="worker: the one implementation to run (default torch; launcher only "
+                        "under python -m fsdp_compose.run); driver: those to compare with "
+                        "torch's fully_shard, which always runs (default compose)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=2, help="local batch size")
@@ -583,9 +725,10 @@ def main() -> int:
                    help="keep torchtitan's reduction as it is (torch's fully_shard then fails "
                         "on gloo: PREMUL_SUM); by default both reduce with SUM")
     p.add_argument("--swap-mesh-dims", action="store_true",
-                   help="with fsdp_compose, also rebind torchtitan's DataParallelMeshDims to "
-                        "fsdp_compose's (by default torchtitan keeps torch's, which "
-                        "fsdp_compose accepts)")
+                   help="with --impl compose, also rebind torchtitan's DataParallelMeshDims "
+                        "to fsdp_compose's (by default torchtitan keeps torch's, which "
+                        "fsdp_compose accepts); --impl launcher always swaps it, as the "
+                        "launcher does, and is not passed the flag")
     p.add_argument("--out", default="result.json")
     p.add_argument("--dump", default=None)
     p.add_argument("--workdir", default=None)
@@ -595,9 +738,14 @@ def main() -> int:
                    help="run fsdp_compose even where FSDP2 itself failed")
     args = p.parse_args()
     if args.worker:
-        if len(args.model) != 1 or len(args.backend) != 1 or len(args.ep) != 1:
-            p.error("a worker runs one --model, --backend and --ep")
+        if len(args.model) != 1 or len(args.backend) != 1 or len(args.ep) != 1 or (
+                args.impl is not None and len(args.impl) != 1):
+            p.error("a worker runs one --model, --backend, --ep and --impl")
         args.model, args.backend, args.ep = args.model[0], args.backend[0], args.ep[0]
+        args.impl = args.impl[0] if args.impl else "torch"
+        if args.impl == "launcher" and args.swap_mesh_dims:
+            p.error("--swap-mesh-dims is for --impl compose: under the launcher torchtitan "
+                    "already holds fsdp_compose's DataParallelMeshDims")
         args.dump = args.dump or tempfile.mkdtemp(prefix="tt_dump_")
         return worker(args)
     return driver(args)
