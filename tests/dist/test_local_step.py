@@ -16,7 +16,9 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compose import fully_shard
 from fsdp_compose.param.local_step import ELEMENTWISE
-from tests.dist.parity import backward, full, max_diff_to, optimizer_step, three_models
+from tests.dist.parity import (
+    backward, full, max_diff_to, optimizer_step, three_models, two_models,
+)
 from tests.models import Transformer, lm_loss, token_batch
 
 VARIANTS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
@@ -81,7 +83,7 @@ class ScaledAdamW(torch.optim.AdamW):
 
 
 def check_other_optimizers_keep_dtensors() -> list[set[type]]:
-    _, ours, _ = three_models(Transformer)
+    _, ours = two_models(Transformer)
     optim = ScaledAdamW(ours.parameters(), lr=1e-2)
     seen: list[set[type]] = []
     optim.register_step_pre_hook(
