@@ -136,7 +136,7 @@ class ShardedParam:
             device=device,
         )
         self.use_unsharded_buffer(buffer)
-        buffer.untyped_storage().resize_(0)  # allocated while unsharded (Gatherer.lay_out)
+        buffer.untyped_storage().resize_(0)  # allocated while unsharded (MeshPart.lay_out)
 
     def use_unsharded_buffer(self, buffer: torch.Tensor) -> None:
         """Keep the unsharded data in `buffer` (flat, shard_size * padded_shard_numel, in
@@ -248,7 +248,7 @@ class ShardedParam:
 
     def registrations(self) -> list[Registration]:
         """Where the parameter is registered, with its forms as they are now: what the unit
-        needs to swap all its parameters in one loop (see Gatherer.lay_out)."""
+        needs to swap all its parameters in one loop (see MeshPart.lay_out)."""
         return [
             Registration(module._parameters, name, self.sharded, self.unsharded)
             for module, name in self.owners
