@@ -22,17 +22,11 @@ python benchmarks/optimizer.py
 
 {table}
 
-Over fsdp_compose's parameters AdamW costs {ours_vs_fsdp2} what it costs over FSDP2's:
-the same, within this machine's noise, under every policy. fsdp_compose's shards are views
-of one flat tensor and FSDP2's are tensors of their own; the gradients of both are views of
-one reduce-scatter output. What is left is DTensor's: {plain_gap} of the plain tensors'
-time, the dispatch of every op on a DTensor (the for-loop pays it per parameter and op,
-foreach and fused once per op over all parameters). Within the DTensor contract that
-torch's fully_shard defines (sharded parameters and gradients are DTensors, so that
-optimizers, clipping and checkpoints see global shapes) the runtime cannot take it away;
-on the CPU, where AdamW defaults to its for-loop over DTensors, `foreach=True` recovers
-most of it. On a GPU the shards' alignment in the flat tensor may matter to the foreach
-kernels (not measured here)."""
+From its second step, AdamW over fsdp_compose's parameters steps on their local tensors
+(docs/design.md, "The optimizer step on local shards"): it costs {plain_gap} the plain tensors'
+time and {ours_vs_fsdp2} FSDP2's, whose step pays DTensor's dispatch on every op (the
+for-loop per parameter and op, foreach and fused once per op over all parameters). What is
+left over plain tensors is the swap of param groups, gradients and state around each step."""
 
 
 def ratio_range(values: list[float]) -> str:

@@ -66,6 +66,7 @@ class _LocalStep:
         self._outside: Any = None  # the state dict the inside one was built from
         self._inside: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, local)
+        self._counted = (0, 0)  # the inside state's entries and keys when last in sync
 
     def __call__(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """As torch's step. A closure computes the gradients, of the DTensors, so it runs
@@ -107,25 +108,38 @@ class _LocalStep:
         for p, local in pairs:
             if p in outside:
                 self._inside[local] = {k: _local(v) for k, v in outside[p].items()}
+        self._counted = _count(self._inside)
 
     def _leave(self, groups: list[list[torch.Tensor]]) -> None:
         optimizer = self._optimizer
         for group, params in zip(optimizer.param_groups, groups):
             group["params"] = params
-        outside = self._outside
         for p, local in self._pairs:
             if local is not p:
                 local.grad = None  # the gradient stays the DTensor's: hold it once
+        if (counted := _count(self._inside)) != self._counted:
+            self._sync_outside()
+            self._counted = counted
+        optimizer.state = self._outside
+
+    def _sync_outside(self) -> None:
+        """The step created state (these classes create it once, then update it in place):
+        DTensors over the new local tensors, outside."""
+        outside = self._outside
+        for p, local in self._pairs:
             inside = self._inside.get(local)
             if inside is not None and (p not in outside or _changed(outside[p], inside)):
                 outside[p] = {k: _like(p, local, v) for k, v in inside.items()}
-        optimizer.state = outside
 
 
 def _same(pairs: list[tuple[torch.Tensor, torch.Tensor]], known: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     return len(pairs) == len(known) and all(
         p is q and a is b for (p, a), (q, b) in zip(pairs, known)
     )
+
+
+def _count(state: dict[torch.Tensor, dict[str, Any]]) -> tuple[int, int]:
+    return len(state), sum(map(len, state.values()))
 
 
 def _local(value: Any) -> Any:
