@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (
     AllgatherOptions,  # where torch.distributed has it from
+    _make_nccl_premul_sum,
 )
 from torch.distributed import ProcessGroup, ReduceOp
 
@@ -67,8 +68,8 @@ def grad_reduction(
             return _reduction(None, op, op, None)
         if factor == shard_size:
             return _reduction(None, ReduceOp.AVG, sum_, None)
-        if premul_sum:
-            return _reduction(None, ReduceOp.PREMUL_SUM(1.0 / factor), sum_, None)
+        if premul_sum:  # private: the one constructor of a factored op in 2.11 to 2.15
+            return _reduction(None, _make_nccl_premul_sum(1.0 / factor), sum_, None)
         return _reduction(1.0 / factor, sum_, sum_, None)
     if dtype in (torch.float32, torch.bfloat16):
         return _reduction(None, sum_, sum_, factor)
