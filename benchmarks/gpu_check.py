@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="the same sequence, tiny, on the CPU")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's peak (default: by its name)")
     parser.add_argument("--tests-timeout", type=float, default=300)
-    parser.add_argument("--step-timeout", type=float, default=240)
+    parser.add_argument("--step-timeout", type=float, default=360)
     args = parser.parse_args(argv)
     import torch
 

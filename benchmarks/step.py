@@ -201,7 +201,10 @@ def loss_parity(args: argparse.Namespace, device: torch.device) -> dict:
     falls) of fsdp_compose, FSDP2 and FSDP2 again, one after another from the same weights
     on the same batches, with deterministic algorithms where torch has them and one
     attention backend. FSDP2 against itself is the run-to-run noise floor; ours against
-    FSDP2 is read against it (0.0 and 0.0 on the CPU)."""
+    FSDP2 is read against it (0.0 and 0.0 on the CPU). Eager even under --compile: three
+    more compilations would cost minutes, and the compiled step's numbers are the timed
+    rounds' business."""
+    args = argparse.Namespace(**{**vars(args), "compile": False})
     losses: dict[str, list[float]] = {}
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)  # warn where torch has none
