@@ -168,8 +168,14 @@ def test_unused_params_on_one_rank_keep_the_reduction_order(ranks):
     assert vs_torch == 0.0 and vs_reference < 1e-6
 
 
-def check_all_reduce_hook() -> tuple[float, float, int]:
+def check_all_reduce_hook(own_stream: bool) -> tuple[float, float, int]:
+    """A summed reduction the hook averages, on ours and torch's; with `own_stream` the hook
+    gets a stream of its own (torch.cpu.Stream here: on the CPU every stream is the one
+    thread), and a non-stream is refused."""
+    with pytest.raises(TypeError, match="set_all_reduce_hook: stream must be a torch.Stream"):
+        fully_shard(MLP()).set_all_reduce_hook(lambda t: None, stream=object())
     calls = [0]
+    stream = torch.cpu.Stream() if own_stream else None
 
     def halve(reduced: torch.Tensor) -> None:
         calls[0] += 1
@@ -180,43 +186,17 @@ def check_all_reduce_hook() -> tuple[float, float, int]:
         for module in annotated(model):
             module.set_force_sum_reduction_for_comms(True)  # sum on the wire,
             module.set_gradient_divide_factor(1.0)  # divided by 1: the hook averages
-            module.set_all_reduce_hook(halve)
+            module.set_all_reduce_hook(halve, stream=stream)
 
     errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap)
     return (*errors, calls[0])
 
 
-def test_all_reduce_hook_runs_on_every_reduction(ranks):
-    vs_reference, vs_torch, calls = ranks.run(check_all_reduce_hook, world_size=2)[0]
+@pytest.mark.parametrize("own_stream", [False, True], ids=["current stream", "own stream"])
+def test_all_reduce_hook_runs_on_every_reduction(ranks, own_stream):
+    vs_reference, vs_torch, calls = ranks.run(check_all_reduce_hook, own_stream=own_stream,
+                                              world_size=2)[0]
     assert calls == 2 * 3 * 4  # ours and torch's, 3 steps, 4 layers
-    assert vs_torch == 0.0 and vs_reference < 1e-6
-
-
-def check_all_reduce_hook_stream() -> tuple[float, float, int]:
-    """A hook given a stream of its own (torch.cpu.Stream here: on the CPU every stream is
-    the one thread) trains as torch's with the same stream; a non-stream is refused."""
-    with pytest.raises(TypeError, match="set_all_reduce_hook: stream must be a torch.Stream"):
-        fully_shard(MLP()).set_all_reduce_hook(lambda t: None, stream=object())
-    calls = [0]
-
-    def halve(reduced: torch.Tensor) -> None:
-        calls[0] += 1
-        reduced.div_(dist.get_world_size())
-
-    def wrap(model: nn.Module, shard: Shard) -> None:
-        per_block(model, shard)
-        for module in annotated(model):
-            module.set_force_sum_reduction_for_comms(True)
-            module.set_gradient_divide_factor(1.0)
-            module.set_all_reduce_hook(halve, stream=torch.cpu.Stream())
-
-    errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap)
-    return (*errors, calls[0])
-
-
-def test_all_reduce_hook_on_a_stream_of_its_own(ranks):
-    vs_reference, vs_torch, calls = ranks.run(check_all_reduce_hook_stream, world_size=2)[0]
-    assert calls == 2 * 3 * 4
     assert vs_torch == 0.0 and vs_reference < 1e-6
 
 

@@ -29,3 +29,14 @@ def torchrun(args: list[str], timeout: float = 300) -> subprocess.CompletedProce
         f"torchrun {' '.join(args)}\n{result.stdout[-3000:]}\n{result.stderr[-8000:]}"
     )
     return result
+
+
+def assert_whose(torch_run: dict, ours: dict) -> None:
+    """torch's fully_shard ran in `torch_run`, fsdp_compose's in `ours` (the launcher's), on
+    the same modules: the name the script holds and the classes of what it annotated."""
+    assert torch_run["fully_shard"].startswith("torch.distributed."), torch_run["fully_shard"]
+    assert ours["fully_shard"].startswith("fsdp_compose."), ours["fully_shard"]
+    assert ours["fsdp_classes"].keys() == torch_run["fsdp_classes"].keys()
+    for run, prefix in ((torch_run, "torch.distributed.fsdp."), (ours, "fsdp_compose.")):
+        for classes in run["fsdp_classes"].values():
+            assert all(c.startswith(prefix) for c in classes), classes

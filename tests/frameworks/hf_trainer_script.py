@@ -18,13 +18,13 @@ modules their classes come from say whose fully_shard ran).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as fsdp
+from record import checksums, fsdp_classes  # beside this script
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, set_seed
 
 VOCAB, SEQ = 128, 16
@@ -86,33 +86,6 @@ def step_logs(trainer: Trainer) -> list[dict[str, float]]:
         {"step": e["step"], "loss": e["loss"], "grad_norm": float(e["grad_norm"])}
         for e in trainer.state.log_history if "loss" in e
     ]
-
-
-def checksums(model: torch.nn.Module) -> dict[str, dict[str, object]]:
-    """Every parameter's full tensor (a collective: every rank calls it)."""
-    sums = {}
-    for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        full = full.detach().cpu().contiguous()
-        sums[name] = {
-            "dtype": str(full.dtype),
-            "sum": full.double().sum().item(),
-            "sha256": hashlib.sha256(full.view(torch.uint8).numpy().tobytes()).hexdigest(),
-        }
-    return sums
-
-
-def fsdp_classes(model: torch.nn.Module) -> dict[str, list[str]]:
-    """For each module fully_shard annotated: its FSDP classes, as module.qualname."""
-    found = {}
-    for name, module in model.named_modules():
-        classes = [c for c in type(module).__mro__ if c.__name__ == "FSDPModule"]
-        if classes:
-            found[name or "<root>"] = [
-                f"{c.__module__}.{c.__qualname__}" for c in type(module).__mro__
-                if c.__name__.startswith("FSDP")
-            ]
-    return found
 
 
 def main() -> None:

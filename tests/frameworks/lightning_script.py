@@ -17,7 +17,6 @@ MixedPrecisionPolicy (bf16 parameters in compute, fp32 gradient reduction).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
+from record import checksums, fsdp_classes  # beside this script
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -84,32 +84,6 @@ def data() -> torch.utils.data.DataLoader:
     generator = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, VOCAB, (8, SEQ + 1), generator=generator)
     return torch.utils.data.DataLoader(ids, batch_size=2, shuffle=True)
-
-
-def checksums(model: nn.Module) -> dict[str, dict[str, object]]:
-    """Every parameter's full tensor (a collective: every rank calls it)."""
-    sums = {}
-    for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        full = full.detach().cpu().contiguous()
-        sums[name] = {
-            "dtype": str(full.dtype),
-            "sum": full.double().sum().item(),
-            "sha256": hashlib.sha256(full.view(torch.uint8).numpy().tobytes()).hexdigest(),
-        }
-    return sums
-
-
-def fsdp_classes(model: nn.Module) -> dict[str, list[str]]:
-    """For each module fully_shard annotated: its FSDP classes, as module.qualname."""
-    found = {}
-    for name, module in model.named_modules():
-        if any(c.__name__ == "FSDPModule" for c in type(module).__mro__):
-            found[name or "<root>"] = [
-                f"{c.__module__}.{c.__qualname__}" for c in type(module).__mro__
-                if c.__name__.startswith("FSDP")
-            ]
-    return found
 
 
 def fit(args: argparse.Namespace, ckpt_path: str | None) -> TinyLM:

@@ -1,0 +1,36 @@
+"""What a framework script records of its run, to compare torch's fully_shard with
+fsdp_compose's: every parameter whole (sum and sha256) and whose FSDP classes annotated
+which module. Imported by the scripts beside it (their folder is first on sys.path)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def checksums(model: torch.nn.Module) -> dict[str, dict[str, object]]:
+    """Every parameter's full tensor (a collective: every rank calls it)."""
+    sums = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        full = full.detach().cpu().contiguous()
+        sums[name] = {
+            "dtype": str(full.dtype),
+            "sum": full.double().sum().item(),
+            "sha256": hashlib.sha256(full.view(torch.uint8).numpy().tobytes()).hexdigest(),
+        }
+    return sums
+
+
+def fsdp_classes(model: torch.nn.Module) -> dict[str, list[str]]:
+    """For each module fully_shard annotated: its FSDP classes, as module.qualname."""
+    found = {}
+    for name, module in model.named_modules():
+        classes = [c for c in type(module).__mro__ if c.__name__ == "FSDPModule"]
+        if classes:
+            found[name or "<root>"] = [
+                f"{c.__module__}.{c.__qualname__}" for c in type(module).__mro__
+                if c.__name__.startswith("FSDP")
+            ]
+    return found
