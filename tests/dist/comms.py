@@ -26,10 +26,11 @@ class CountingAllGather(AllGather):
 
 class AllReduceThenSlice(ReduceScatter):
     """Another algorithm for a reduce-scatter: all-reduce the whole input, keep this rank's
-    row (more traffic, same result)."""
+    row (more traffic, same result). `premul`: the factor of a PREMUL_SUM it is asked for
+    (an older torch's ReduceOp does not tell it)."""
 
-    def __init__(self) -> None:
-        self.calls = 0
+    def __init__(self, premul: float | None = None) -> None:
+        self.calls, self.premul = 0, premul
         self.ops: set[str] = set()
 
     def allocate(self, size, *, dtype, device) -> torch.Tensor:
@@ -39,7 +40,8 @@ class AllReduceThenSlice(ReduceScatter):
         self.calls += 1
         self.ops.add(str(getattr(op, "op", op)))  # a ReduceOp (PREMUL_SUM) or its type
         if op == ReduceOp.PREMUL_SUM:  # what NCCL's does: scale each input, then sum
-            input_tensor.mul_(op.factor)
+            assert self.premul is not None, "a PREMUL_SUM this test did not expect"
+            input_tensor.mul_(self.premul)
         dist.all_reduce(input_tensor, op=ReduceOp.SUM, group=group)  # gloo's has no AVG
         if op == ReduceOp.AVG:
             input_tensor.div_(group.size())

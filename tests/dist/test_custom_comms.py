@@ -19,7 +19,8 @@ from tests.models import Transformer, lm_loss, token_batch
 def with_custom_comms(comms: list, divide_factor: float | None = None) -> callable:
     def wrap(model: nn.Module, shard: Shard) -> None:
         per_block(model, shard)
-        gather, reduce = CountingAllGather(), AllReduceThenSlice()
+        premul = None if divide_factor is None else 1.0 / divide_factor
+        gather, reduce = CountingAllGather(), AllReduceThenSlice(premul)
         comms.append((gather, reduce))
         for module in model.modules():
             if hasattr(module, "set_custom_all_gather"):  # annotated, by us or by torch
