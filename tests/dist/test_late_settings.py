@@ -14,11 +14,17 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from fsdp_compose import FSDPModule, fully_shard, share_comm_ctx
-from tests.dist.parity import (
-    assert_close_to, backward, make_mesh, max_diff_to, optimizer_step, three_models,
-)
 from tests.dist.comms import AllReduceThenSlice, CountingAllGather
+from tests.dist.parity import (
+    assert_close_to,
+    backward,
+    make_mesh,
+    max_diff_to,
+    optimizer_step,
+    three_models,
+)
 from tests.models import MLP, feature_batch, mse_loss
+from tests.torch_support import versus_torch
 
 Setting = Callable[[nn.Module], None]  # applied to a root annotated by us or by torch
 
@@ -72,10 +78,17 @@ SETTINGS: dict[str, Setting] = {
 }
 
 
-def check_setting_after_a_step(name: str) -> tuple[float, float]:
+def setter_of(name: str) -> str:
+    return "set_custom_all_gather" if name == "set_custom_comms" else name
+
+
+def check_setting_after_a_step(name: str) -> float:
     """A step, the setting on ours and torch's, two more steps; ours against torch's and,
-    where the setting keeps the averaged gradient, against single-process."""
-    models = ref, ours, theirs = three_models(MLP, make_mesh())
+    where the setting keeps the averaged gradient, against single-process. On a torch
+    whose FSDPModule lacks the setter, ours twice: single-process is the comparison."""
+    models = ref, ours, theirs = three_models(
+        MLP, make_mesh(), shard_fns=versus_torch(setter_of(name))
+    )
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     world = dist.get_world_size()
     vs_torch = 0.0
@@ -92,16 +105,12 @@ def check_setting_after_a_step(name: str) -> tuple[float, float]:
             assert_close_to(ours, ref, grads=True, where=(name, step))
         optimizer_step(optims)
         vs_torch = max(vs_torch, max_diff_to(ours, theirs))
-    return vs_torch, sum(p.grad is None for p in ours.parameters())
+    return vs_torch
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_a_setting_after_the_first_step_acts_as_torchs(ranks, name):
-    setter = "set_custom_all_gather" if name == "set_custom_comms" else name
-    if not hasattr(TorchFSDPModule, setter):
-        pytest.skip(f"this torch's FSDPModule has no {setter} to compare with")
-    vs_torch, _ = ranks.run(check_setting_after_a_step, name=name, world_size=2)[0]
-    assert vs_torch == 0.0, name
+    assert ranks.run(check_setting_after_a_step, name=name, world_size=2)[0] == 0.0, name
 
 
 class Stage(nn.Sequential):
@@ -128,14 +137,15 @@ def check_share_comm_ctx_after_a_step(one_backward: bool) -> tuple[float, list[s
     every later backward keeps every gradient, with one backward call through both stages
     or one per stage. Against torch's with one backward: with one per stage, torch's own
     backward prefetch raises IndexError (torch 2.13: `post_forward_order[curr_index - 1]`),
-    so single-process training is the comparison there."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
+    and an older torch has no share_comm_ctx, so single-process training is the comparison
+    there."""
+    import torch.distributed.fsdp as torch_fsdp
 
     world, rank = dist.get_world_size(), dist.get_rank()
     runs = {"ours": two_stages(fully_shard), "ref": two_stages(None)}
-    if one_backward:
-        runs["torch"] = two_stages(torch_fully_shard)
+    with_torch = one_backward and hasattr(torch_fsdp, "share_comm_ctx")
+    if with_torch:
+        runs["torch"] = two_stages(torch_fsdp.fully_shard)
     optims = {k: torch.optim.SGD([p for s in v for p in s.parameters()], lr=0.1)
               for k, v in runs.items()}
     missing: list[str] = []
@@ -143,8 +153,8 @@ def check_share_comm_ctx_after_a_step(one_backward: bool) -> tuple[float, list[s
     for step in range(3):
         if step == 1:
             share_comm_ctx(runs["ours"])
-            if one_backward:
-                torch_share_comm_ctx(runs["torch"])
+            if with_torch:
+                torch_fsdp.share_comm_ctx(runs["torch"])
         batch = feature_batch(step, 2 * world)
         for key, (a, b) in runs.items():
             x = batch if key == "ref" else batch.chunk(world)[rank]
@@ -158,7 +168,7 @@ def check_share_comm_ctx_after_a_step(one_backward: bool) -> tuple[float, list[s
         a, b = runs["ours"]
         missing += [f"step {step} {n}" for s, tag in ((a, "a"), (b, "b"))
                     for n, p in s.named_parameters(prefix=tag) if p.grad is None]
-        if one_backward:
+        if with_torch:
             c, d = runs["torch"]
             vs_torch = max(vs_torch, max_diff_to(a, c, grads=True), max_diff_to(b, d, grads=True))
         for ours, ref in zip(runs["ours"], runs["ref"]):
@@ -169,7 +179,5 @@ def check_share_comm_ctx_after_a_step(one_backward: bool) -> tuple[float, list[s
 
 @pytest.mark.parametrize("one_backward", [True, False], ids=["one backward", "a backward per root"])
 def test_share_comm_ctx_after_a_step_keeps_every_gradient(ranks, one_backward):
-    if not hasattr(torch.distributed.fsdp, "share_comm_ctx"):
-        pytest.skip("this torch has no share_comm_ctx to compare with")
     for vs_torch, missing in ranks.run(check_share_comm_ctx_after_a_step, one_backward=one_backward):
         assert missing == [] and vs_torch == 0.0, (missing, vs_torch)

@@ -17,14 +17,13 @@ modules their classes come from say whose fully_shard ran).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as fsdp
-from record import checksums, fsdp_classes  # beside this script
+from record import checksums, fsdp_classes, script_arguments  # beside this script
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, set_seed
 
 VOCAB, SEQ = 128, 16
@@ -89,13 +88,7 @@ def step_logs(trainer: Trainer) -> list[dict[str, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--save-steps", type=int, default=2)
-    args = parser.parse_args()
+    args = script_arguments()
     bf16 = args.precision == "bf16"
     data = SyntheticTokens(8)
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
-from record import checksums, fsdp_classes  # beside this script
+from record import checksums, fsdp_classes, script_arguments  # beside this script
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -107,13 +107,7 @@ def fit(args: argparse.Namespace, ckpt_path: str | None) -> TinyLM:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--save-steps", type=int, default=2)
-    args = parser.parse_args()
+    args = script_arguments()
 
     module = fit(args, ckpt_path=None)
     result = {

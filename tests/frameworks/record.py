@@ -1,9 +1,11 @@
-"""What a framework script records of its run, to compare torch's fully_shard with
-fsdp_compose's: every parameter whole (sum and sha256) and whose FSDP classes annotated
-which module. Imported by the scripts beside it (their folder is first on sys.path)."""
+"""What a framework script takes and records of its run, to compare torch's fully_shard
+with fsdp_compose's: its arguments, every parameter whole (sum and sha256) and whose FSDP
+classes annotated which module. Imported by the scripts beside it (their folder is first
+on sys.path)."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 
 import torch
@@ -34,3 +36,14 @@ def fsdp_classes(model: torch.nn.Module) -> dict[str, list[str]]:
                 if c.__name__.startswith("FSDP")
             ]
     return found
+
+
+def script_arguments() -> argparse.Namespace:
+    """Where to write the record and checkpoints, the precision, steps and save interval."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--save-steps", type=int, default=2)
+    return parser.parse_args()
