@@ -26,7 +26,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 # The process group's all-gather and reduce-scatter, called as fsdp_compose calls them
 # (their names vary).
-from fsdp_compose.comm.compat import all_gather_single, reduce_scatter_single
+from fsdp_compose.comm.compat import ALL_GATHER_METHOD, REDUCE_SCATTER_METHOD
 
 _GATHER = AllgatherOptions()
 _AVERAGE = dist.ReduceScatterOptions()
@@ -101,7 +101,7 @@ class HandShardedUnit:
     def unshard(self) -> None:
         if self.storage is not None:
             self.gathered_storage.resize_(self.gathered_nbytes)
-            all_gather_single(self.group, self.gathered, self.flat, _GATHER).wait()
+            getattr(self.group, ALL_GATHER_METHOD)(self.gathered, self.flat, _GATHER).wait()
             self.storage.resize_(self.nbytes)
             torch.split_with_sizes_copy(self.rows, self.sizes, dim=1, out=self.outputs)
             self.gathered_storage.resize_(0)
@@ -143,7 +143,7 @@ class HandShardedUnit:
             return
         rows = torch._chunk_cat(grads, dim=0, num_chunks=self.ranks)  # row r: rank r's
         reduced = rows.new_empty(self.flat.numel())
-        reduce_scatter_single(self.group, reduced, rows.view(-1), _AVERAGE).wait()
+        getattr(self.group, REDUCE_SCATTER_METHOD)(reduced, rows.view(-1), _AVERAGE).wait()
         self.add_to_grads(reduced)
         self.reshard()
 

@@ -49,7 +49,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compose import StepTrace, fully_shard
-from fsdp_compose.comm.compat import ALL_GATHER_METHOD, REDUCE_SCATTER_METHOD, reduce_scatter_single
+from fsdp_compose.comm.compat import ALL_GATHER_METHOD, REDUCE_SCATTER_METHOD
 
 # Per block, the defaults of --units and --batch: the transformer's blocks cost more to
 # compute, and compute's noise is subtracted with the unsharded step's.
@@ -157,7 +157,7 @@ def fake_group_reduces() -> bool:
     output = torch.full((1,), -1.0)
     # The group's own method, as the runtimes call it (dist's wrapper is deprecated on 2.13).
     zeros = torch.zeros(dist.get_world_size())
-    reduce_scatter_single(dist.group.WORLD, output, zeros, dist.ReduceScatterOptions()).wait()
+    getattr(dist.group.WORLD, REDUCE_SCATTER_METHOD)(output, zeros, dist.ReduceScatterOptions()).wait()
     return output.item() == 0.0
 
 

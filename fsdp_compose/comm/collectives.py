@@ -1,5 +1,5 @@
-"""Every collective fsdp_compose sends: one all-gather of a unit's padded shards, one
-reduce-scatter of its padded gradients (an all-reduce across HSDP replicas; broadcasts when
+"""Every collective fsdp_compose sends, and the buffers a unit's reuse: one all-gather of a
+unit's padded shards, one reduce-scatter of its padded gradients (an all-reduce across HSDP replicas; broadcasts when
 syncing from the first rank, all-reduces of norms when clipping, barriers around
 checkpoint renames, one gather of model fingerprints at the first forward). Nothing else
 in the package calls torch.distributed collectives, so this file shows all we put on the
@@ -19,7 +19,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed import ProcessGroup, ReduceOp
 
-from .compat import all_gather_single, reduce_scatter_single
+from .compat import ALL_GATHER_METHOD, REDUCE_SCATTER_METHOD
 
 
 class GradReduction(NamedTuple):
@@ -89,6 +89,53 @@ def has_premul_sum(group: ProcessGroup) -> bool:
     return dist.get_backend(group) in _PREMUL_SUM_BACKENDS
 
 
+class ReusedBuffer:
+    """One tensor (the rows of a collective) whose storage exists only between `take` and
+    `release`.
+
+    A unit gathers and reduces the same sizes at every step; resizing one tensor's storage
+    is cheaper than constructing a new tensor, and freeing it after each use keeps the
+    memory what fresh buffers would take.
+    """
+
+    __slots__ = ("_nbytes", "_spec", "_taken", "flat")
+    flat: torch.Tensor  # the taken tensor, 1-D (a view, made once): set by the first take
+
+    def __init__(self) -> None:
+        # The tensor and its storage, kept together once made.
+        self._taken: tuple[torch.Tensor, torch.UntypedStorage] | None = None
+        self._nbytes = 0
+        self._spec: tuple[tuple[int, int], torch.dtype, torch.device] | None = None
+
+    def take(
+        self, spec: tuple[tuple[int, int], torch.dtype, torch.device]
+    ) -> torch.Tensor:
+        """A contiguous tensor of `spec` (shape: rows of a collective; dtype; device),
+        uninitialised, until `release`. Callers pass the same spec object each time when
+        they can: it is checked by identity first."""
+        if self._taken is None or (spec is not self._spec and spec != self._spec):
+            shape, dtype, device = spec
+            # Not an inference tensor, whichever mode the first use runs in.
+            with torch.inference_mode(False):
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+            self.flat = tensor.view(-1)
+            self._taken = tensor, tensor.untyped_storage()
+            self._nbytes, self._spec = tensor.nbytes, spec
+            return tensor
+        tensor, storage = self._taken
+        storage.resize_(self._nbytes)
+        return tensor
+
+    def nbytes(self) -> int:
+        """What its storage holds now (0 when released)."""
+        return 0 if self._taken is None else self._taken[1].nbytes()
+
+    def release(self) -> None:
+        """Free the storage; what `take` returned must no longer be in use."""
+        if self._taken is not None:
+            self._taken[1].resize_(0)
+
+
 # A user's all-gather or reduce-scatter for one unit (FSDPModule.set_custom_all_gather /
 # set_custom_reduce_scatter), with torch's fully_shard interface: called like the functions
 # below take their tensors, `comm(output, input, group, async_op=False)` and
@@ -126,7 +173,7 @@ def all_gather(
     else:
         # The process group's own method, which dist.all_gather_single calls after checks
         # that cost more than the rest of a unit's unshard (our tensors are flat and ours).
-        work = all_gather_single(group, output, shard, _ALL_GATHER_OPTIONS[async_op])
+        work = getattr(group, ALL_GATHER_METHOD)(output, shard, _ALL_GATHER_OPTIONS[async_op])
     if async_op:
         return work
     _waited(work)
@@ -149,9 +196,8 @@ def reduce_scatter(
         output.copy_(input)
         return None
     else:
-        work = reduce_scatter_single(
-            group, output, input, reduction.scatter_options[async_op]
-        )
+        options = reduction.scatter_options[async_op]
+        work = getattr(group, REDUCE_SCATTER_METHOD)(output, input, options)
     if async_op:
         return work
     _waited(work)

@@ -5,8 +5,6 @@ same on every torch in the range."""
 from __future__ import annotations
 
 import torch
-from torch._C._distributed_c10d import AllgatherOptions
-from torch.distributed import ProcessGroup, ReduceScatterOptions, Work
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -23,31 +21,14 @@ _TORCH = _release(torch.__version__)
 # A process group's flat all-gather and reduce-scatter: torch 2.13 names them
 # all_gather_single / reduce_scatter_single, torch 2.11 and 2.12 only _allgather_base /
 # _reduce_scatter_base (both record the same ops, c10d::_allgather_base_ and
-# c10d::_reduce_scatter_base_). Called as bound methods, never as ProcessGroup's unbound
-# ones: a process group written in Python (torch's threaded test world) overrides them.
-# The names are public here for benchmarks/overhead.py, which times these two methods.
+# c10d::_reduce_scatter_base_). comm/collectives.py calls them as bound methods, never as
+# ProcessGroup's unbound ones: a process group written in Python (torch's threaded test
+# world) overrides them.
 _NEW_COLLECTIVE_NAMES = _TORCH >= (2, 13)
 ALL_GATHER_METHOD = "all_gather_single" if _NEW_COLLECTIVE_NAMES else "_allgather_base"
 REDUCE_SCATTER_METHOD = (
     "reduce_scatter_single" if _NEW_COLLECTIVE_NAMES else "_reduce_scatter_base"
 )
-
-
-def all_gather_single(
-    group: ProcessGroup, output: torch.Tensor, input: torch.Tensor, options: AllgatherOptions
-) -> Work:
-    """`group`'s all-gather of equal flat `input`s into `output`, rank after rank."""
-    work: Work = getattr(group, ALL_GATHER_METHOD)(output, input, options)
-    return work
-
-
-def reduce_scatter_single(
-    group: ProcessGroup, output: torch.Tensor, input: torch.Tensor,
-    options: ReduceScatterOptions,
-) -> Work:
-    """`group`'s reduce-scatter of flat `input` (block r for rank r) into `output`."""
-    work: Work = getattr(group, REDUCE_SCATTER_METHOD)(output, input, options)
-    return work
 
 
 # Without a reduce_dtype, torch's fully_shard reduces gradients in param_dtype up to torch

@@ -28,6 +28,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .replaced import check_optimizer
+
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
     torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -42,7 +44,8 @@ _SEEN = "_fsdp_compose_local_step"  # in an optimizer's __dict__: it steps its o
 
 @functools.cache
 def install() -> None:
-    """Look at every optimizer's first step (torch.optim's public global pre-hook)."""
+    """Look at every optimizer's first step (torch.optim's public global pre-hook): refuse
+    tensors fully_shard replaced (see param/replaced.py), and choose how it steps."""
     register_optimizer_step_pre_hook(_first_step)
 
 
@@ -51,6 +54,7 @@ def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     once before the model is sharded), look again at each step."""
     if optimizer.__dict__.get(_SEEN):
         return
+    check_optimizer(optimizer)
     if type(optimizer) not in ELEMENTWISE:
         optimizer.__dict__[_SEEN] = True
     elif any(id(p) in SHARDED_IDS for group in optimizer.param_groups for p in group["params"]):

@@ -4,17 +4,13 @@ an optimizer holding one is refused at its first step: its update would be lost.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 _REPLACED_MARK = "_fsdp_compose_replaced"
-_OPTIMIZER_CHECKED = "_fsdp_compose_checked"
 
 
 def mark_replaced(name: str, replaced: Iterable[tuple[str, nn.Parameter]]) -> None:
@@ -26,13 +22,12 @@ def mark_replaced(name: str, replaced: Iterable[tuple[str, nn.Parameter]]) -> No
             f"parameter {fqn!r} of {name} as it was before fully_shard, which replaced it by "
             "a sharded DTensor",
         )
-    _install_optimizer_check()
 
 
 def warn_copied(fqn: str, replacement: torch.Tensor) -> None:
     """A whole tensor replaced parameter `fqn` after fully_shard, and its values were copied
-    into the sharded parameter: say so, and mark the tensor (the optimizer check is installed
-    since fully_shard's mark_replaced)."""
+    into the sharded parameter: say so, and mark the tensor (every optimizer's first step is
+    checked: param/local_step.py)."""
     setattr(
         replacement, _REPLACED_MARK,
         f"the tensor assigned to parameter {fqn!r} after fully_shard, whose values were "
@@ -48,15 +43,9 @@ def warn_copied(fqn: str, replacement: torch.Tensor) -> None:
     )
 
 
-@functools.cache
-def _install_optimizer_check() -> None:
-    register_optimizer_step_pre_hook(_check_optimizer)
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """At an optimizer's first step: refuse marked tensors."""
-    if optimizer.__dict__.get(_OPTIMIZER_CHECKED):
-        return
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that holds a marked tensor (param/local_step.py asks at its first
+    step)."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             if (where := getattr(param, _REPLACED_MARK, None)) is not None:
@@ -65,4 +54,3 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     "nothing the model uses. Build the optimizer after fully_shard (and after "
                     "replacing parameters), from model.parameters()."
                 )
-    optimizer.__dict__[_OPTIMIZER_CHECKED] = True

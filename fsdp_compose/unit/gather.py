@@ -12,8 +12,7 @@ from torch.distributed import ProcessGroup, Work
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import observer as _observer
-from ..comm.buffer import ReusedBuffer
-from ..comm.collectives import all_gather, allocate, collective_failed
+from ..comm.collectives import ReusedBuffer, all_gather, allocate, collective_failed
 from .codec import decode_rows, encode_shards
 from .held import GATHERED, POST_FORWARD, UNSHARDED
 from .layout import CastIn, Layout, forms_by_owner

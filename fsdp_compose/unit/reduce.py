@@ -10,10 +10,10 @@ import torch
 from torch.distributed import ProcessGroup, Work
 
 from ..comm import observer as _observer
-from ..comm.buffer import ReusedBuffer
 from ..comm.collectives import (
     CustomComm,
     GradReduction,
+    ReusedBuffer,
     allocate,
     collective_failed,
     grad_reduction,

@@ -15,7 +15,7 @@ import fsdp_compose.unit.gather as gather_module
 import fsdp_compose.unit.reduce as reduce_module
 import fsdp_compose.unit.replicas as replicas_module
 from fsdp_compose import fully_shard
-from fsdp_compose.comm.buffer import ReusedBuffer
+from fsdp_compose.comm.collectives import ReusedBuffer
 from fsdp_compose.comm.collectives import all_gather, all_reduce, reduce_scatter
 from tests.dist.parity import train_and_compare
 from tests.dist.checks import check_hsdp_accumulation_without_all_reduce

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_compose.comm.buffer import ReusedBuffer
+from fsdp_compose.comm.collectives import ReusedBuffer
 
 CPU = torch.device("cpu")
 
