@@ -12,7 +12,7 @@ import torch
 
 from ..comm.collectives import CustomComm
 from ..comm.meshes import separate_group
-from ..schedule.hooks import UnitState
+from ..schedule.iteration import UnitState
 from ..unit.codec import AllGatherCodec
 from ..unit.part import MeshPart
 

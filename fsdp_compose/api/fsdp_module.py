@@ -8,7 +8,7 @@ from typing import Any, Literal, NoReturn, cast, overload
 from torch import nn
 
 from ..comm.meshes import resolve_reshard_after_forward
-from ..schedule.hooks import UnitState
+from ..schedule.iteration import UnitState
 from ..schedule.phase import in_backward
 from ..schedule.state import state_of
 from ..unit.unit import Unit

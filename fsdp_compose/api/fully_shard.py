@@ -13,7 +13,8 @@ from ..comm.meshes import DataParallelMeshDims, UnitMesh, default_mesh, unit_mes
 from ..param.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, adopt_policy
 from ..param.replaced import mark_replaced
 from ..param.sharded_param import ShardedParam
-from ..schedule.hooks import UnitState
+from ..schedule.hooks import install_hooks, post_forward, pre_forward
+from ..schedule.iteration import UnitState
 from ..schedule.state import attach
 from ..schedule.tied import OWNER_ATTR, Borrowed, check_borrowable, lend, owner_of
 from ..schedule.unmanaged import watch
@@ -177,7 +178,7 @@ def _annotate(
         attach(m, state)
         cls: type = type(m)
         m.__class__ = _annotated_class(cls)
-    state.install_hooks()
+    install_hooks(state)
     install_state_dict_hooks(state)
     mark_replaced(name, ((fqn, param) for fqn, param, _ in collected))
     for tied in borrowed:
@@ -224,13 +225,13 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def forward_method(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(module, args, kwargs)
+        args, kwargs = pre_forward(state, module, args, kwargs)
         try:
             output = method(*args, **kwargs)
         except BaseException:
             # As nn.Module calls a forward hook when forward raised: undo the pre-hook.
-            state.post_forward(module, args, None)
+            post_forward(state, module, args, None)
             raise
-        return state.post_forward(module, args, output)
+        return post_forward(state, module, args, output)
 
     setattr(module, method_name, forward_method)

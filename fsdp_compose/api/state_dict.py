@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..param.sharded_param import ShardedParam
-from ..schedule.hooks import UnitState
+from ..schedule.iteration import UnitState
 from ..schedule.phase import IDLE
 
 

@@ -4,12 +4,9 @@ lookup or a deep copy does not reach it by accident)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import nn
 
-if TYPE_CHECKING:  # the hooks' module owns the state's class
-    from .hooks import UnitState
+from .iteration import UnitState
 
 _STATE_ATTR = "_fsdp_compose_state"
 

@@ -14,16 +14,14 @@ two, or inside the owner's enclosing forward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from torch import nn
 
 from ..comm.meshes import UnitMesh
 from ..param.policies import MixedPrecisionPolicy
 from ..param.sharded_param import ShardedParam
-
-if TYPE_CHECKING:
-    from .hooks import UnitState
+from .iteration import UnitState
 
 # Set on each parameter a unit sharded (the object modules held before), to find its
 # owner where another module still holds it.

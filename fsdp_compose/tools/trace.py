@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..comm import observer as _observer
 from ..comm.collectives import all_gather_object
-from ..schedule.hooks import UnitState
+from ..schedule.iteration import UnitState
 from ..schedule.phase import in_backward
 from ..schedule.state import state_of
 from .trace_report import (

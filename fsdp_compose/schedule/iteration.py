@@ -1,0 +1,298 @@
+"""One iteration's state machine: each unit's phase and settings (UnitState), and what its root
+owns across the units of one model (Root): the forward order, the end-of-backward callback.
+The module hooks (hooks.py) unshard a unit for forward and reshard it after; pre-hooks on
+its outputs' backward nodes unshard it for backward; once that is done (backward_done.py)
+it reduces its gradients and reshards."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_leaves
+
+from ..comm import observer as _observer
+from ..param.policies import MixedPrecisionPolicy
+from ..param.sharded_param import ShardedParam
+from ..unit.unit import Unit
+from .backward_done import BackwardEnd
+from .comm_context import CommContext
+from .phase import FORWARD, IDLE, POST_BACKWARD, PRE_BACKWARD, Phase
+
+
+class Prefetch:
+    """Which units a unit starts gathering once it is unsharded, so that their all-gathers
+    overlap its compute: the lists FSDPModule's setters give, else in backward the unit
+    whose forward ended just before this one's (the next to run backward), and in forward,
+    after `set_implicit_forward_prefetch`, the one whose forward followed it last time."""
+
+    def __init__(self) -> None:
+        self.forward: list[UnitState] = []  # explicit
+        self.backward: list[UnitState] | None = None  # explicit; None: implicit
+        self.implicit_forward = False
+        self.forward_index = -1  # the unit's place in this iteration's forward order
+        self.ended_forward_before: tuple[UnitState, ...] = ()  # set as the unit's forward ends
+
+    def in_forward(self, unit: UnitState, last_order: list[UnitState]) -> list[UnitState]:
+        """The units to start gathering as `unit`'s forward begins (`last_order`: the last
+        iteration's forward order)."""
+        if self.forward or not self.implicit_forward:
+            return self.forward
+        i = self.forward_index + 1
+        return last_order[i : i + 1] if len(last_order) > i and last_order[i - 1] is unit else []
+
+    def in_backward(self) -> Sequence[UnitState]:
+        """The units to start gathering as this unit's backward begins."""
+        return self.ended_forward_before if self.backward is None else self.backward
+
+
+class UnitState:
+    """One unit's phase and settings (what FSDPModule's setters change)."""
+
+    root: Root  # set at lazy init (the first forward), when `initialised` becomes True
+
+    def __init__(
+        self, modules: list[nn.Module], unit: Unit, reshard_after_forward: bool | None,
+        mp_policy: MixedPrecisionPolicy,
+    ) -> None:
+        self.modules = modules
+        self.unit = unit
+        # None: decided at lazy init (False for the root). An int group size is True here
+        # plus the unit's post-forward mesh.
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.unshard_in_backward = True
+        self.requires_gradient_sync = True
+        self.phase = IDLE
+        self.initialised = False
+        # Parameters tied across units (see schedule/tied.py): the units whose parameters
+        # this one uses and must see gathered, with those parameters; whether others use ours.
+        self.borrowed_from: list[UnitState] = []
+        self.borrowed_params: list[ShardedParam] = []
+        self.lends = False
+        self.comm = CommContext()  # the root's, after lazy init
+        self.post_optim_event: Any = None  # read by the root: its next forward's gathers wait
+        self.prefetch = Prefetch()
+        self.modules_to_run: set[nn.Module] = set()  # in this forward (a list unit)
+        # The setters give every part (mesh) of a unit the same value: the first's answers.
+        reducer = unit.parts[0].reducer
+        self.backward_end = BackwardEnd(
+            unit.params, self._backward_done, lambda: self.phase is PRE_BACKWARD,
+            lambda: reducer.reduce_scatter_unused_params,
+        )
+        # What forward casts its floating-point inputs and outputs to (None: nothing).
+        self.input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
+        self.output_dtype = mp_policy.output_dtype
+
+    @property
+    def label(self) -> str:
+        """For messages: the modules' class names, their fqn under the root once it ran."""
+        return self.unit.label
+
+    @property
+    def awaits_backward(self) -> bool:
+        """Whether a forward with grad ran and its backward has not finished."""
+        return self.phase is not IDLE or self.backward_end.hooked_in_forward
+
+    @property
+    def is_root(self) -> bool:
+        return self.initialised and self.root.state is self
+
+    def refuse(self, phase: Phase) -> NoReturn:
+        """A hook ran out of order (e.g. forward run again inside a forward of the same
+        unit, or a backward hook without a forward): the move to `phase` is not allowed."""
+        raise RuntimeError(
+            f"fsdp_compose: unit {self.label} on rank {self.unit.mesh.get_rank()} cannot go "
+            f"from {self.phase.name} to {phase.name}: its hooks ran out of order."
+        )
+
+    def unshard(self, in_backward: bool = False) -> None:
+        """Gather the unit (also finishes a prefetch's) and the units it borrows from."""
+        if not in_backward or self.unshard_in_backward:
+            self.unit.unshard()
+        for owner in self.borrowed_from:
+            owner.unit.unshard()
+
+    # -- the end of forward ----------------------------------------------------------------
+
+    def end_partial_forward(self, output: Any) -> None:
+        """The enclosing forward ended: end this unit's forward if some of its modules did
+        not run (their pre-backward hook goes on the enclosing forward's output)."""
+        if self.phase is FORWARD:
+            self.modules_to_run.clear()
+            self.register_pre_backward(output)
+            self.finish_forward()
+
+    def finish_forward(self) -> None:
+        if IDLE not in self.phase.next:
+            self.refuse(IDLE)
+        self.phase = IDLE
+        root = self.root
+        before = root.last_post_forward
+        self.prefetch.ended_forward_before = () if before is None else (before,)
+        root.last_post_forward = self
+        if self.lends:
+            return  # a borrower may still run in this forward: see schedule/tied.py and Root.end_forward
+        if not torch.is_grad_enabled():
+            self.unit.reshard()  # no backward can follow a forward without grad
+        elif self.reshard_after_forward:
+            self.unit.reshard(keep_post_forward=True)
+
+    def register_pre_backward(self, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for x in (output,) if isinstance(output, torch.Tensor) else tree_leaves(output):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                if (node := x.grad_fn) is not None:  # cheaper than a tensor hook, as early
+                    node.register_prehook(self.pre_backward)
+                else:
+                    x.register_hook(self.pre_backward)
+
+    # -- backward --------------------------------------------------------------------------
+
+    def pre_backward(self, grad: Any) -> None:
+        if self.phase is not PRE_BACKWARD:
+            if PRE_BACKWARD not in self.phase.next:
+                self.refuse(PRE_BACKWARD)
+            self.phase = PRE_BACKWARD
+            self.backward_end.begin()
+            if not self.root.final_callback_queued:
+                self.root.queue_final_callback()
+        self.unshard(in_backward=True)
+        if (observer := _observer.current) is not None:
+            observer.backward_began(self)
+        for other in self.prefetch.in_backward():
+            # Not one whose backward is done already (gathered again for nothing).
+            if other.unshard_in_backward and other.phase is not POST_BACKWARD:
+                self.comm.prefetch(other.unit)  # overlaps this unit's gradient computation
+
+    def _backward_done(self) -> None:
+        """Called by the BackwardEnd, in PRE_BACKWARD: reduce and reshard."""
+        self.phase = POST_BACKWARD
+        self._reduce_and_reshard()
+
+    def _reduce_and_reshard(self) -> None:
+        # Freeing the parameters first keeps them and the reduce-scatter's buffers from
+        # being allocated at once (the gradients live apart from the parameters' data).
+        if self.reshard_after_backward:
+            self.unit.reshard()
+        if self.requires_gradient_sync:
+            self.comm.reduce(self.unit)  # without sync, the gradients wait in unsharded form
+
+    def finish_backward(self) -> None:
+        """The end of backward reached this unit (signal 4 in backward_done.py): finish it
+        if no hook did, or if it holds gradients from backwards without sync while not run
+        this time; then IDLE."""
+        unfinished = self.phase is PRE_BACKWARD
+        self.backward_end.at_end_of_backward(unfinished)
+        if self.phase is not POST_BACKWARD:
+            if unfinished or self.unit.has_unsharded_grads():
+                self._reduce_and_reshard()
+            elif self.reshard_after_backward:
+                self.unit.reshard()
+        self.phase = IDLE
+
+    def forget_iteration(self) -> None:
+        """IDLE and resharded, the gradients of an unfinished backward dropped."""
+        self.unit.reshard()
+        self.unit.discard_backward()
+        self.phase = IDLE
+        self.modules_to_run.clear()
+        self.backward_end.forget()
+
+    def reset_iter_state(self) -> None:
+        if self.initialised:
+            self.root.reset()
+        else:
+            self.forget_iteration()
+
+
+class Root:
+    """Iteration-wide state of one root (the unit whose module contains all others, found at
+    the first forward: see hooks.py) and the units under it, in module order."""
+
+    def __init__(self, state: UnitState, states: list[UnitState]) -> None:
+        self.state = state
+        self.states = states
+        self.forward_root: UnitState | None = None  # the unit whose forward encloses the others'
+        self.final_callback_queued = False
+        # This iteration's units in the order their forwards began (implicit forward
+        # prefetch follows the last iteration's), and the unit whose forward ended last
+        # (backward prefetches it from the unit whose forward ended next).
+        self.forward_order: list[UnitState] = []
+        self.last_forward_order: list[UnitState] = []
+        self.last_post_forward: UnitState | None = None
+        # Units prefetched in this forward: any that did not run are resharded at its end.
+        self.forward_prefetched: list[UnitState] = []
+
+    @property
+    def comm(self) -> CommContext:
+        """The root unit's communication context: share_comm_ctx may replace it at any
+        time, so it is read from the unit, never copied."""
+        return self.state.comm
+
+    def begin_forward(self, state: UnitState) -> None:
+        """`state`'s forward encloses every other of this iteration: start the iteration."""
+        self.forward_root = state
+        for s in self.states:  # what changed since the last iteration
+            s.unit.adopt_registered()
+        event, self.state.post_optim_event = self.state.post_optim_event, None
+        if (side := state.unit.streams) is not None:
+            side.follow_compute(event)  # gathers see the optimizer's step
+        elif event is not None:
+            event.wait()  # the current stream, which gathers, waits for the optimizer
+        if self.forward_order:
+            self.last_forward_order = self.forward_order
+        self.forward_order, self.last_post_forward = [], None
+
+    def end_forward(self, output: Any) -> None:
+        """The enclosing forward returned `output`."""
+        self.forward_root = None
+        ran = set(self.forward_order)
+        for s in self.forward_prefetched:  # prefetched, then not run (the order changed)
+            if s not in ran:
+                s.unit.reshard()
+        self.forward_prefetched.clear()
+        no_backward = not torch.is_grad_enabled()
+        for s in self.states:
+            # A list unit whose modules did not all run (e.g. a head skipped by a chunked
+            # loss) still ends its forward with the forward that enclosed it.
+            s.end_partial_forward(output)
+            if s.lends and no_backward:  # lenders keep their parameters: free them now
+                s.unit.reshard()
+
+    def queue_final_callback(self) -> None:
+        self.final_callback_queued = True
+        Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def finish_backward(self) -> None:
+        """End of backward: finish every unit no hook finished, in module order (the same
+        on every rank), wait for the reductions, commit the gradients, go back to IDLE."""
+        for s in self.states:
+            s.finish_backward()
+        self.comm.finish_reductions()
+        for s in self.states:  # see Note [gradients per backward] in unit/grad_ledger.py
+            s.unit.commit_backward()
+        self.final_callback_queued = False
+
+    def finalize_backward(self) -> None:
+        """FSDPModule.finalize_backward: between iterations, reduce what backwards without
+        gradient sync left unsharded, as the end of a backward would now."""
+        if bad := [s.label for s in self.states if s.awaits_backward]:
+            raise RuntimeError(
+                f"finalize_backward: units {bad} are between a forward and its backward; "
+                "call it after the step's backward passes."
+            )
+        self.finish_backward()
+
+    def reset(self) -> None:
+        """Forget the current iteration: every unit IDLE and resharded, the gradients of an
+        unfinished backward dropped (those of finished ones kept), nothing pending."""
+        for s in self.states:
+            s.forget_iteration()
+        self.forward_root = None
+        self.final_callback_queued = False
+        self.forward_prefetched.clear()
