@@ -175,7 +175,7 @@ def test_a_gather_does_not_wait_for_compute():
     torch.cuda.synchronize()
     torch.cuda._sleep(50 * STALL_CYCLES)  # the compute stream is busy for about half a second
     unit.unshard(async_op=True)
-    pending = unit.parts[0].gatherer._pending
+    pending = unit.gatherers[0]._pending
     assert pending is not None and pending.work is not None, "the unit gathered nothing"
     pending.work.synchronize()  # the gather's event, on its stream
     assert not torch.cuda.current_stream().query(), "the gather waited for the compute stream"

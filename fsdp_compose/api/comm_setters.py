@@ -11,10 +11,9 @@ from typing import Any, NoReturn
 import torch
 
 from ..comm.collectives import CustomComm
-from ..comm.meshes import separate_group
 from ..schedule.iteration import UnitState
 from ..unit.codec import AllGatherCodec
-from ..unit.part import MeshPart
+from ..unit.unit import Unit
 
 
 class CommSetters:
@@ -26,13 +25,11 @@ class CommSetters:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's summed gradients by `factor` instead of the mesh size."""
-        for part in self._state().unit.parts:
-            part.reducer.set_reduction(factor, part.reducer.force_sum_reduction)
+        self._state().settings.gradient_divide_factor = factor
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with a plain SUM on the wire and divide locally afterwards."""
-        for part in self._state().unit.parts:
-            part.reducer.set_reduction(part.reducer.gradient_divide_factor, enable)
+        self._state().settings.force_sum_reduction = enable
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of `set_gradient_divide_factor`, as in torch."""
@@ -68,8 +65,7 @@ class CommSetters:
         multi-modal branches) still send the same reduce-scatter. Such parameters' `.grad`
         is then a tensor (the average, zeros where no rank used them), never None."""
         for state in self._states(recurse):
-            for part in state.unit.parts:
-                part.reducer.reduce_scatter_unused_params = reduce_scatter_unused_params
+            state.settings.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_post_optim_event(self, event: torch.Event | None) -> None:
         """The next forward's all-gathers wait for `event` (recorded after an optimizer step
@@ -89,15 +85,15 @@ class CommSetters:
         """Gather this unit's parameters with `comm(output, input, group, async_op=False)`
         (returning a Work or None) instead of all_gather_single; `comm.allocate(size, *,
         dtype, device)`, if defined, allocates the output. torch's AllGather interface."""
-        part = _one_mesh(self, "set_custom_all_gather")
-        part.custom_all_gather = comm
-        part.layout = None  # at one rank too, the gather runs through `comm`: see Layout
+        unit = _one_mesh(self, "set_custom_all_gather")
+        unit.settings.custom_all_gather = comm
+        unit.shards_replaced()  # at one rank too, the gather runs through `comm`: see Layout
 
     def set_custom_reduce_scatter(self, comm: CustomComm) -> None:
         """Reduce this unit's gradients with `comm(output, input, group, op,
         async_op=False)` instead of reduce_scatter_single; `comm.allocate`, if defined,
         allocates input and output. torch's ReduceScatter interface."""
-        _one_mesh(self, "set_custom_reduce_scatter").reducer.custom_reduce_scatter = comm
+        _one_mesh(self, "set_custom_reduce_scatter").settings.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call `hook(reduced)` on this unit's reduced gradients (the reduce-scatter output,
@@ -111,8 +107,9 @@ class CommSetters:
                 f"{type(self).__name__}.set_all_reduce_hook: stream must be a torch.Stream "
                 f"or None, got {type(stream).__name__}."
             )
-        reducer = _one_mesh(self, "set_all_reduce_hook").reducer
-        reducer.all_reduce_hook, reducer.all_reduce_hook_stream = hook, stream
+        settings = _one_mesh(self, "set_all_reduce_hook").settings
+        settings.all_reduce_hook, settings.all_reduce_hook_stream = hook, stream
+
     def set_all_gather_codec(
         self, codec: AllGatherCodec | None, params: list[str] | None = None
     ) -> None:
@@ -128,21 +125,14 @@ class CommSetters:
                 f"this unit; its parameters are {list(by_fqn)}."
             )
         for name in names:
-            part = next(part for part in unit.parts if by_fqn[name] in part.params)
-            if codec is None:
-                part.codecs.pop(by_fqn[name], None)
-            else:
-                part.codecs[by_fqn[name]] = codec
-            part.layout = None  # a one-rank part without codecs gathers nothing: see Layout
+            unit.set_codec(by_fqn[name], codec)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Reduce-scatter on a process group of its own (over the same ranks), so gradient
         reductions in flight do not queue behind prefetched all-gathers. Collective over
         each unit's shard ranks: call it on every rank alike."""
         for state in self._states(recurse):
-            for part in state.unit.parts:
-                group = part.mesh.shard_group
-                part.reducer.set_group(separate_group(group) if enable else group)
+            state.unit.set_separate_reduce_scatter_group(enable)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         _not_yet(self, "allocating communication buffers from the process group (CUDA)")
@@ -151,17 +141,17 @@ class CommSetters:
         _not_yet(self, "symmetric-memory communication buffers (CUDA)")
 
 
-def _one_mesh(module: CommSetters, setter: str) -> MeshPart:
+def _one_mesh(module: CommSetters, setter: str) -> Unit:
     """The module's unit, when its parameters are on one mesh (torch refuses these setters
     too when shard_placement_fn put some on another)."""
-    parts = module._state().unit.parts
-    if len(parts) > 1:
+    unit = module._state().unit
+    if len(unit.parts) > 1:
         raise ValueError(
             f"{type(module).__name__}.{setter} is not supported with parameters on several "
             "meshes (from per-param mesh via shard_placement_fn); set it on a unit whose "
             "parameters share one mesh."
         )
-    return parts[0]
+    return unit
 
 
 def _not_yet(owner: object, what: str) -> NoReturn:

@@ -82,8 +82,7 @@ class FSDPModule(CommSetters):
         pointers then stay the same across reshard and unshard, as CUDA graph capture
         needs), at the cost of the memory resharding frees. Newer torch's method."""
         for state in self._states(recurse):
-            for part in state.unit.parts:
-                part.gatherer.keep_unsharded_storage = keep
+            state.settings.keep_unsharded_storage = keep
 
     def reset_iter_state(self) -> None:
         """Forget the current iteration (e.g. after an exception): every unit under the root
@@ -139,15 +138,14 @@ class FSDPModule(CommSetters):
         """With False, backward keeps unsharded gradients on each rank and accumulates
         them; the next backward with True reduces the sum. For gradient accumulation."""
         for state in self._states(recurse):
-            state.requires_gradient_sync = requires_gradient_sync
+            state.settings.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP only: with False, backward reduce-scatters but keeps the result for the next
         backward that all-reduces across replicas (gradient accumulation with less
         communication). No effect on a 1-D mesh."""
         for state in self._states(recurse):
-            for part in state.unit.parts:
-                part.reducer.requires_all_reduce = requires_all_reduce
+            state.settings.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(
         self, reshard_after_forward: bool | int, recurse: bool = True
@@ -163,23 +161,23 @@ class FSDPModule(CommSetters):
                 if smaller and (tp := [p.fqn for p in part.params if p.is_tensor_parallel]):
                     refuse_post_forward_tensor_parallel(where, tp[0])
         for state in states:
-            for part in state.unit.parts:
-                reshard, post_forward_mesh = resolve_reshard_after_forward(
-                    reshard_after_forward, part.device_mesh
-                )
-                part.gatherer.set_post_forward_mesh(post_forward_mesh)
-            state.reshard_after_forward = reshard
+            resolved = [
+                resolve_reshard_after_forward(reshard_after_forward, part.device_mesh)
+                for part in state.unit.parts
+            ]
+            state.unit.set_post_forward_meshes([mesh for _, mesh in resolved])
+            state.settings.reshard_after_forward = resolved[-1][0]
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free the unsharded parameters after backward (e.g. keep them across
         gradient-accumulation micro-batches)."""
         for state in self._states(recurse):
-            state.reshard_after_backward = reshard_after_backward
+            state.settings.reshard_after_backward = reshard_after_backward
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward gathers this unit's parameters; False for units whose parameters
         backward never reads."""
-        self._state().unshard_in_backward = unshard_in_backward
+        self._state().settings.unshard_in_backward = unshard_in_backward
 
     # -- prefetch ---------------------------------------------------------------------------
 

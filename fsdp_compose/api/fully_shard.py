@@ -18,7 +18,7 @@ from ..schedule.iteration import UnitState
 from ..schedule.state import attach
 from ..schedule.tied import OWNER_ATTR, Borrowed, check_borrowable, lend, owner_of
 from ..schedule.unmanaged import watch
-from ..unit.part import MeshPart
+from ..unit.part import MeshPart, UnitSettings
 from ..unit.unit import Unit
 from .checks import (
     SHARDED_MARK,
@@ -167,7 +167,7 @@ def _annotate(
     ]
     move_buffers(modules, resolved.device)
     unit = _unit_of(params, [param_mesh for _, param_mesh in placements], resolved, name)
-    state = UnitState(modules, unit, resolved.reshard_after_forward, mp_policy)
+    state = UnitState(modules, unit, mp_policy)
     for (_, original, _), param in zip(collected, params):
         setattr(param.sharded, SHARDED_MARK, True)
         setattr(original, OWNER_ATTR, (state, param))
@@ -193,10 +193,10 @@ def _unit_of(
     by_mesh: dict[int, tuple[UnitMesh, list[ShardedParam]]] = {id(resolved): (resolved, [])}
     for param, mesh in zip(params, meshes):
         by_mesh.setdefault(id(mesh), (mesh, []))[1].append(param)
-    parts = [MeshPart(group, mesh, name) for mesh, group in by_mesh.values()]
-    for part, (mesh, _) in zip(parts, by_mesh.values()):
-        part.gatherer.set_post_forward_mesh(mesh.post_forward_mesh)
-    return Unit(parts)
+    settings = UnitSettings(reshard_after_forward=resolved.reshard_after_forward)
+    unit = Unit([MeshPart(group, mesh, name, settings) for mesh, group in by_mesh.values()], settings)
+    unit.set_post_forward_meshes([mesh.post_forward_mesh for mesh, _ in by_mesh.values()])
+    return unit
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:

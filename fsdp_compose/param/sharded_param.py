@@ -273,11 +273,10 @@ class ShardedParam:
             for hook in tuple(hooks.values()):
                 hook(self.sharded)
 
-    def add_to_grad(self, padded_grad_shard: torch.Tensor) -> torch.Tensor:
+    def add_to_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient shard (flat, padded) to the sharded `.grad`
-        (a view of it when `.grad` was None and no cast is needed); returns its local tensor."""
-        # The first numel elements, shaped: one view op (this runs for every parameter).
-        local = padded_grad_shard.as_strided(self._local_shape, self._local_stride)
+        (a view of it when `.grad` was None and no cast is needed)."""
+        local = padded_grad_shard.as_strided(self._local_shape, self._local_stride)  # its prefix
         shard = self.padded_shard
         if local.dtype != shard.dtype or local.device != shard.device:
             local = local.to(shard.device, shard.dtype)  # reduce_dtype, or offload to CPU
@@ -286,7 +285,5 @@ class ShardedParam:
             # for every parameter after every backward.
             spec = self.sharded._spec  # type: ignore[attr-defined]  # a Parameter of a DTensor
             self.sharded.grad = DTensor(local, spec, requires_grad=False)
-            return local
-        grad = local_of(self.sharded.grad)
-        grad.add_(local)
-        return grad
+        else:
+            local_of(self.sharded.grad).add_(local)

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..param.sharded_param import ShardedParam
+from ..unit.part import UnitSettings
 
 
 class BackwardEnd:
@@ -44,12 +45,12 @@ class BackwardEnd:
 
     def __init__(
         self, params: list[ShardedParam], done: Callable[[], None],
-        in_backward: Callable[[], bool], reduce_unused: Callable[[], bool],
+        in_backward: Callable[[], bool], settings: UnitSettings,
     ) -> None:
         self._params = params
         self._done = done
         self._in_backward = in_backward  # the unit is in its backward, not done yet
-        self._reduce_unused = reduce_unused  # reduce_scatter_unused_params, read per forward
+        self._settings = settings  # its reduce_scatter_unused_params, read per forward
         self.hooked_in_forward = False  # this iteration's (a forward with grad)
         self._on_last_grad = False  # signal 1 this iteration, else 2
         self._grads_pending = 0
@@ -82,7 +83,7 @@ class BackwardEnd:
 
     def _can_end_on_last_grad(self) -> bool:
         """Signal 1 applies; hooks parameters laid out anew."""
-        if not self._every_param_got_grads or self._reduce_unused():
+        if not self._every_param_got_grads or self._settings.reduce_scatter_unused_params:
             return False
         hooked = self._hooked
         for i, p in enumerate(self._params):

@@ -153,9 +153,9 @@ def make_root(state: UnitState) -> Root:
         s.root, s.initialised, s.comm = root, True, root.comm
         if s is not state and s.post_optim_event is not None:  # set before this forward
             state.post_optim_event, s.post_optim_event = s.post_optim_event, None
-        if s.reshard_after_forward is None:
+        if s.settings.reshard_after_forward is None:
             # The root's parameters would be freed and gathered again at once.
-            s.reshard_after_forward = s is not state
+            s.settings.reshard_after_forward = s is not state
     return root
 
 

@@ -17,9 +17,8 @@ from torch.utils._pytree import tree_leaves
 from ..comm import observer as _observer
 from ..param.policies import MixedPrecisionPolicy
 from ..param.sharded_param import ShardedParam
-from ..unit.unit import Unit
+from ..unit.unit import CommContext, Unit
 from .backward_done import BackwardEnd
-from .comm_context import CommContext
 from .phase import FORWARD, IDLE, POST_BACKWARD, PRE_BACKWARD, Phase
 
 
@@ -54,18 +53,11 @@ class UnitState:
 
     root: Root  # set at lazy init (the first forward), when `initialised` becomes True
 
-    def __init__(
-        self, modules: list[nn.Module], unit: Unit, reshard_after_forward: bool | None,
-        mp_policy: MixedPrecisionPolicy,
-    ) -> None:
+    def __init__(self, modules: list[nn.Module], unit: Unit, mp_policy: MixedPrecisionPolicy) -> None:
         self.modules = modules
         self.unit = unit
-        # None: decided at lazy init (False for the root). An int group size is True here
-        # plus the unit's post-forward mesh.
-        self.reshard_after_forward = reshard_after_forward
-        self.reshard_after_backward = True
-        self.unshard_in_backward = True
-        self.requires_gradient_sync = True
+        self.settings = unit.settings  # see UnitSettings (an int reshard_after_forward is
+        # True there plus the unit's post-forward mesh)
         self.phase = IDLE
         self.initialised = False
         # Parameters tied across units (see schedule/tied.py): the units whose parameters
@@ -77,11 +69,8 @@ class UnitState:
         self.post_optim_event: Any = None  # read by the root: its next forward's gathers wait
         self.prefetch = Prefetch()
         self.modules_to_run: set[nn.Module] = set()  # in this forward (a list unit)
-        # The setters give every part (mesh) of a unit the same value: the first's answers.
-        reducer = unit.parts[0].reducer
         self.backward_end = BackwardEnd(
-            unit.params, self._backward_done, lambda: self.phase is PRE_BACKWARD,
-            lambda: reducer.reduce_scatter_unused_params,
+            unit.params, self._backward_done, lambda: self.phase is PRE_BACKWARD, unit.settings
         )
         # What forward casts its floating-point inputs and outputs to (None: nothing).
         self.input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
@@ -111,7 +100,7 @@ class UnitState:
 
     def unshard(self, in_backward: bool = False) -> None:
         """Gather the unit (also finishes a prefetch's) and the units it borrows from."""
-        if not in_backward or self.unshard_in_backward:
+        if not in_backward or self.settings.unshard_in_backward:
             self.unit.unshard()
         for owner in self.borrowed_from:
             owner.unit.unshard()
@@ -138,7 +127,7 @@ class UnitState:
             return  # a borrower may still run in this forward: see schedule/tied.py and Root.end_forward
         if not torch.is_grad_enabled():
             self.unit.reshard()  # no backward can follow a forward without grad
-        elif self.reshard_after_forward:
+        elif self.settings.reshard_after_forward:
             self.unit.reshard(keep_post_forward=True)
 
     def register_pre_backward(self, output: Any) -> None:
@@ -166,7 +155,7 @@ class UnitState:
             observer.backward_began(self)
         for other in self.prefetch.in_backward():
             # Not one whose backward is done already (gathered again for nothing).
-            if other.unshard_in_backward and other.phase is not POST_BACKWARD:
+            if other.settings.unshard_in_backward and other.phase is not POST_BACKWARD:
                 self.comm.prefetch(other.unit)  # overlaps this unit's gradient computation
 
     def _backward_done(self) -> None:
@@ -177,9 +166,9 @@ class UnitState:
     def _reduce_and_reshard(self) -> None:
         # Freeing the parameters first keeps them and the reduce-scatter's buffers from
         # being allocated at once (the gradients live apart from the parameters' data).
-        if self.reshard_after_backward:
+        if self.settings.reshard_after_backward:
             self.unit.reshard()
-        if self.requires_gradient_sync:
+        if self.settings.requires_gradient_sync:
             self.comm.reduce(self.unit)  # without sync, the gradients wait in unsharded form
 
     def finish_backward(self) -> None:
@@ -191,7 +180,7 @@ class UnitState:
         if self.phase is not POST_BACKWARD:
             if unfinished or self.unit.has_unsharded_grads():
                 self._reduce_and_reshard()
-            elif self.reshard_after_backward:
+            elif self.settings.reshard_after_backward:
                 self.unit.reshard()
         self.phase = IDLE
 

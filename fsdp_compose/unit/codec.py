@@ -3,12 +3,11 @@ rebuilt from what every rank sent (the float8 / NF4 all-gather pattern)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from ..param.sharded_param import ShardedParam
+from ..param.sharded_param import ShardedParam
 
 
 class AllGatherCodec(Protocol):

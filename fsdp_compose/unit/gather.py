@@ -4,8 +4,7 @@ rank gathers nothing: its shards are its unsharded data, or are cast into it."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.distributed import ProcessGroup, Work
@@ -15,11 +14,9 @@ from ..comm import observer as _observer
 from ..comm.collectives import ReusedBuffer, all_gather, allocate, collective_failed
 from .codec import decode_rows, encode_shards
 from .held import GATHERED, POST_FORWARD, UNSHARDED
-from .layout import CastIn, Layout, forms_by_owner
+from .layout import CastIn, Layout
+from .part import MeshPart
 from .post_forward import PostForwardShards
-
-if TYPE_CHECKING:  # the part owns its gatherer
-    from .part import MeshPart
 
 
 class _Gather(NamedTuple):
@@ -44,7 +41,6 @@ class Gatherer:
         self._part = part
         self.params = part.params
         self.is_unsharded = False
-        self.keep_unsharded_storage = False  # set_keep_unsharded_storage (e.g. CUDA graphs)
         self._allocated: Layout | None = None  # the layout whose storages hold their bytes
         self._buffer = ReusedBuffer()  # unless a custom all-gather allocates
         self._pending: _Gather | None = None
@@ -57,7 +53,7 @@ class Gatherer:
             self._check_extended()
         self._post_forward = None if mesh is None else PostForwardShards(self.params, mesh)
 
-    def layout_changed(self) -> None:
+    def _layout_changed(self) -> None:
         """The part was laid out anew: its unsharded storages come freed."""
         self._allocated = None
         if self._post_forward is not None:
@@ -96,6 +92,8 @@ class Gatherer:
         else:
             written_on_compute = part.layout is None
             layout = part.lay_out() if written_on_compute else part.layout
+            if written_on_compute:
+                self._layout_changed()
             if layout is not None and layout.zero_copy:
                 self._register_unsharded()  # the shards are the unsharded data
                 return
@@ -129,14 +127,14 @@ class Gatherer:
         if inputs is not None:
             shards = torch.cat(inputs)
             encoded = self._post_forward is not None and self._post_forward.as_bytes
-        elif part.codecs or layout.dtypes.mixed_dtypes or layout.extended:  # see encode_shards
-            shards, sizes = encode_shards(self.params, part.codecs, part.device)
+        elif part.settings.codecs or layout.dtypes.mixed_dtypes or layout.extended:  # see encode_shards
+            shards, sizes = encode_shards(self.params, part.settings.codecs, part.device)
             encoded = True
         else:
             shards, spec = self._flat_shard(layout), layout.gather_spec
         if spec is None:
             spec = ((rows, shards.numel()), shards.dtype, part.device)
-        custom = part.custom_all_gather
+        custom = part.settings.custom_all_gather
         if custom is None:  # row r: rank r's shards
             gathered = self._buffer.take(spec)
             flat = self._buffer.flat
@@ -227,11 +225,8 @@ class Gatherer:
             assert self._post_forward is not None
             self._post_forward.copy_out(gathered, part.all_dim0)
         elif gather.encoded:
-            built = decode_rows(gathered, gather.sizes, self.params, part.codecs, targets)
-            if built and part.layout is layout:  # a hook built an unsharded parameter
-                part.layout = dataclasses.replace(layout, registrations=forms_by_owner(
-                    r for p in self.params for r in p.registrations()
-                ))
+            if decode_rows(gathered, gather.sizes, self.params, part.settings.codecs, targets):
+                part.registrations_changed(layout)  # a hook built an unsharded parameter
         elif part.all_dim0:
             torch.split_with_sizes_copy(gathered, gather.sizes, dim=1, out=targets)
         else:  # some parameter is sharded on another dim: its target is strided
@@ -257,7 +252,8 @@ class Gatherer:
         else:  # a parameter changed since the layout: it knows its forms
             for p in self.params:
                 p.to_sharded()
-        if not self.keep_unsharded_storage and (allocated := self._allocated) is not None:
+        keep = self._part.settings.keep_unsharded_storage
+        if not keep and (allocated := self._allocated) is not None:
             for storage, _ in allocated.storages:
                 storage.resize_(0)
             self._allocated = None

@@ -13,7 +13,6 @@ backwards accumulated as it was.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 
 import torch
@@ -36,9 +35,6 @@ class GradLedger:
         self._spent_accumulated: set[ShardedParam] = set()
         self._pending_partial: dict[ShardedParam, torch.Tensor] = {}
         self._spent_partial: set[ShardedParam] = set()
-        # Weak references to an earlier `held` and to the local tensors of the `.grad`s a
-        # commit made views of it; see _commit_held.
-        self._grad_views: tuple[weakref.ref[torch.Tensor], list[weakref.ref[torch.Tensor]]] | None = None
 
     def nbytes(self) -> int:
         """What the ledger holds: reduced shards of this backward, and sums kept between
@@ -155,25 +151,7 @@ class GradLedger:
         self._spent_partial, self._pending_partial = set(), {}
 
     def _commit_held(self, held: torch.Tensor) -> None:
-        """Add every parameter's reduced shard in `held` to its `.grad`. When the `.grad`s
-        are still the views of an earlier `held` that a commit made them (as in gradient
-        accumulation), with one add; else each its own, which makes the `.grad`s that were
-        None views of `held` (ShardedParam.add_to_grad)."""
-        views = self._grad_views
-        if views is not None and (base := views[0]()) is not None and self._grads_are(views[1]):
-            base.add_(held)
-            return
-        shards = torch.split_with_sizes(held, self._sizes)
-        locals_ = [p.add_to_grad(shard) for p, shard in zip(self._params, shards)]
-        self._grad_views = None
-        if all(local._base is held for local in locals_):
-            self._grad_views = (weakref.ref(held), [weakref.ref(local) for local in locals_])
-
-    def _grads_are(self, locals_: list[weakref.ref[torch.Tensor]]) -> bool:
-        """Whether every parameter's `.grad` has the local tensor in `locals_` (not the
-        DTensor: swap_tensors, as in module.to(), keeps the object and changes its data)."""
-        for p, local in zip(self._params, locals_):
-            grad = p.sharded.grad  # a loop, not all() over a generator: this runs every step
-            if grad is None or grad._local_tensor is not local():  # type: ignore[attr-defined]
-                return False
-        return True
+        """Add every parameter's reduced shard in `held` to its `.grad` (the `.grad`s that
+        were None become views of `held`: ShardedParam.add_to_grad)."""
+        for p, shard in zip(self._params, torch.split_with_sizes(held, self._sizes)):
+            p.add_to_grad(shard)

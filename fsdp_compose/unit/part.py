@@ -1,35 +1,62 @@
-"""A unit's parameters on one mesh: what one all-gather and one reduce-scatter move.
+"""A unit's parameters on one mesh: what one all-gather and one reduce-scatter move, their
+layout, their gradient ledger; and the unit's settings, one object its parts share.
 
 Most units are one part; shard_placement_fn may put some parameters on a mesh of their
-own (MoE experts), and each mesh is a part. A part knows nothing of forward or backward
-(see schedule/hooks.py for when); its jobs are gathering (gather.py), reducing
-(reduce.py) and holding gradients between the two and the sharded `.grad`s
-(grad_ledger.py), over the layout of layout.py. On a 2-D mesh (replicate, shard) the last
-dimension shards and the first replicates.
+own (MoE experts), and each mesh is a part. A part is data that its Gatherer (gather.py)
+and Reducer (reduce.py) read: it knows nothing of gathering, reducing, forward or
+backward. On a 2-D mesh (replicate, shard) the last dimension shards and the first
+replicates.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm.collectives import CustomComm
+from ..comm.collectives import CustomComm, has_premul_sum
 from ..comm.meshes import UnitMesh
 from ..comm.streams import SideStreams, side_streams
-from ..param.extension import PRE
 from ..param.sharded_param import ShardedParam
 from .codec import AllGatherCodec
-from .gather import Gatherer
 from .grad_ledger import GradLedger
-from .held import GRADIENT_LEDGER
-from .layout import Layout, lay_out
-from .reduce import Reducer
+from .layout import Layout, forms_by_owner, lay_out
+
+
+@dataclasses.dataclass
+class UnitSettings:
+    """What FSDPModule's setters change, the one place each lives: the schedule, the gather
+    and the reduction read it where they act, never a copy. A setter whose change reaches
+    further (the layout, the post-forward mesh, a process group) goes through Unit."""
+
+    reshard_after_forward: bool | None  # None: decided at lazy init (False for the root)
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True
+    requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True  # HSDP
+    reduce_scatter_unused_params: bool = False
+    gradient_divide_factor: float | None = None  # None: the data-parallel ranks
+    force_sum_reduction: bool = False
+    keep_unsharded_storage: bool = False  # e.g. CUDA graphs
+    # Run on each reduced gradient buffer before the final division, on the reduce-scatter
+    # stream or on `all_reduce_hook_stream`.
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    all_reduce_hook_stream: torch.Stream | None = None
+    custom_all_gather: CustomComm | None = None
+    custom_reduce_scatter: CustomComm | None = None
+    codecs: dict[ShardedParam, AllGatherCodec] = dataclasses.field(default_factory=dict)
 
 
 class MeshPart:
-    def __init__(self, params: list[ShardedParam], mesh: UnitMesh, label: str) -> None:
+    def __init__(
+        self, params: list[ShardedParam], mesh: UnitMesh, label: str, settings: UnitSettings
+    ) -> None:
         self.params = params
         self.mesh = mesh  # resolved once by fully_shard: groups, sizes, device
+        self.settings = settings  # the unit's
         # For messages: the modules' class names, then (at the first forward) their fqn
         # under the root, which prefixes the parameters' fqns (relative to the unit).
         self.label = label
@@ -37,14 +64,10 @@ class MeshPart:
         self.streams: SideStreams | None = side_streams(mesh.device)  # None on the CPU
         self.sizes = [p.layout.padded_shard_numel for p in params]  # per row, padded
         self.all_dim0 = all(p.layout.dim == 0 for p in params)  # see shard_placement_fn
+        self.grads = GradLedger(params, self.sizes)
+        self.use_reduce_group(mesh.shard_group)
         # None until laid out, and again once a parameter changed: the next gather lays out.
         self.layout: Layout | None = None
-        # Extension points (FSDPModule setters): a user's all-gather, per-parameter codecs.
-        self.custom_all_gather: CustomComm | None = None
-        self.codecs: dict[ShardedParam, AllGatherCodec] = {}
-        self.grads = GradLedger(params, self.sizes)
-        self.reducer = Reducer(self)
-        self.gatherer = Gatherer(self)
         if params and not any(p.is_meta for p in params):
             self.lay_out(refuse_unhooked=False)
 
@@ -56,34 +79,28 @@ class MeshPart:
     def device_mesh(self) -> DeviceMesh:
         return self.mesh.mesh
 
+    def use_reduce_group(self, group: ProcessGroup) -> None:
+        """Reduce-scatter over `group` (the same ranks: a separate group, or the mesh's)."""
+        self.reduce_group, self.reduce_premul_sum = group, has_premul_sum(group)
+
     def lay_out(self, refuse_unhooked: bool = True) -> Layout | None:
-        """Lay the parameters out anew (see unit/layout.py); the gatherer's unsharded data is
-        then freed. Refuses parameters still on the meta device."""
+        """Lay the parameters out anew (see unit/layout.py); the gatherer frees the earlier
+        layout's unsharded data when it sees the new one. Refuses parameters still on the
+        meta device."""
         if (problem := self.meta_problem()) is not None:
             raise RuntimeError(problem)
         self.layout = lay_out(
             self.params, self.mesh, self.sizes, self.label, refuse_unhooked,
-            bool(self.codecs) or self.custom_all_gather is not None,
+            bool(self.settings.codecs) or self.settings.custom_all_gather is not None,
         )
-        self.gatherer.layout_changed()
         return self.layout
 
-    def held_by_kind(self) -> dict[str, int]:
-        """Bytes held beyond the shards, by kind: unsharded data, the all-gather's and the
-        reduce-scatter's buffers, pieces kept after forward, the gradient ledger."""
-        return {**self.gatherer.held_by_kind(), **self.reducer.held_by_kind(),
-                GRADIENT_LEDGER: self.grads.nbytes()}
-
-    def adopt_registered(self) -> None:
-        """Take back parameters changed behind our back (see ShardedParam.adopt_registered)
-        and follow parameters frozen or unfrozen since, and all-gather hooks attached to or
-        removed from a local shard (see param/extension.py). Parameters change between
-        iterations: forward calls this once per iteration, not at every gather."""
-        for p in self.params:
-            if p.adopt_registered(self.fqn_prefix):
-                self.layout = None
-            elif hasattr(p.local, PRE) is (p.extension is None):  # hooks attached or removed
-                self.layout = None
+    def registrations_changed(self, layout: Layout) -> None:
+        """A hook built a new unsharded parameter during a gather over `layout`."""
+        if self.layout is layout:
+            self.layout = dataclasses.replace(layout, registrations=forms_by_owner(
+                r for p in self.params for r in p.registrations()
+            ))
 
     def meta_problem(self) -> str | None:
         """What is wrong when some parameters are still on the meta device (a local check,

@@ -3,30 +3,25 @@ HSDP, one all-reduce across replicas), into the unit's gradient ledger."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
-from torch.distributed import ProcessGroup, Work
+from torch.distributed import Work
 
 from ..comm import observer as _observer
 from ..comm.collectives import (
-    CustomComm,
     GradReduction,
     ReusedBuffer,
     allocate,
     collective_failed,
     grad_reduction,
-    has_premul_sum,
     reduce_scatter,
 )
 from ..param.sharded_param import ShardedParam
 from .held import REDUCE_INPUT, REDUCE_OUTPUT
 from .layout import BufferSpec, DtypeFacts, dtype_facts
+from .part import MeshPart
 from .replicas import combine_replicas
-
-if TYPE_CHECKING:  # the part owns its reducer
-    from .part import MeshPart
 
 
 class _Reduction(NamedTuple):
@@ -47,23 +42,11 @@ class _Reduction(NamedTuple):
 
 
 class Reducer:
-    """Averages a part's gradients over its mesh. Its settings are FSDPModule's setters'."""
+    """Averages a part's gradients over its mesh, as the unit's settings say."""
 
     def __init__(self, part: MeshPart) -> None:
         self._part = part
         self.params = part.params
-        self.gradient_divide_factor: float | None = None
-        self.force_sum_reduction = False
-        self.requires_all_reduce = True
-        self.reduce_scatter_unused_params = False
-        # Run on each reduced gradient buffer before the final division (set_all_reduce_hook),
-        # on the reduce-scatter stream or on `all_reduce_hook_stream`.
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.all_reduce_hook_stream: torch.Stream | None = None
-        self.group: ProcessGroup = part.mesh.shard_group  # or a separate one (a setter)
-        self.custom_reduce_scatter: CustomComm | None = None
-        # How gradients are averaged, for the dtypes it was made for: see _grad_reduction.
-        self._reduction: tuple[GradReduction, torch.dtype] | None = None
         self._buffer = ReusedBuffer()  # the reduce-scatter's input, unless custom allocates
         self._pending: _Reduction | None = None
 
@@ -74,16 +57,6 @@ class Reducer:
             REDUCE_INPUT: self._buffer.nbytes(),
             REDUCE_OUTPUT: 0 if pending is None else pending.output.nbytes,
         }
-
-    def set_reduction(self, divide_factor: float | None, force_sum: bool) -> None:
-        """Divide summed gradients by `divide_factor` (None: the number of data-parallel
-        ranks); with `force_sum`, reduce with a plain SUM and divide afterwards."""
-        self.gradient_divide_factor, self.force_sum_reduction = divide_factor, force_sum
-        self._reduction = None
-
-    def set_group(self, group: ProcessGroup) -> None:
-        """Reduce-scatter over `group` (the same ranks: a separate group, or the mesh's)."""
-        self.group, self._reduction = group, None  # its backend may reduce otherwise
 
     def reduce_grads(self) -> bool:
         """Start averaging the unsharded gradients over the mesh; `finish_reduction` puts
@@ -129,7 +102,7 @@ class Reducer:
             with side.reducing():  # all on this stream: overlaps compute
                 reduced, _ = self._reduce_scatter(flat, numel, reduction, dtypes, async_op=False)
                 if part.mesh.replicate_group is not None:
-                    final = combine_replicas(part, params, sizes, reduced, reduction, self.requires_all_reduce)
+                    final = combine_replicas(part, params, sizes, reduced, reduction)
                 if final is not False:
                     self._post_reduce(reduced, reduction)
                 work = side.reduced()
@@ -147,7 +120,7 @@ class Reducer:
         else:
             sizes = [p.layout.padded_shard_numel for p in params]
             spec = ((part.mesh.shard_size, sum(sizes)), dtypes.reduce_dtype, part.device)
-        custom = self.custom_reduce_scatter
+        custom = self._part.settings.custom_reduce_scatter
         if custom is None:  # row r: what rank r keeps, param after param
             rows = self._buffer.take(spec)
             flat = self._buffer.flat
@@ -164,27 +137,24 @@ class Reducer:
         return rows, flat, sizes
 
     def _grad_reduction(self, dtypes: DtypeFacts) -> GradReduction:
-        """How this part's gradients are averaged, kept until its settings or its reduce
-        dtype change: cheaper than the cached function's key, at every reduction."""
-        if self._reduction is None or self._reduction[1] is not dtypes.reduce_dtype:
-            mesh = self._part.mesh
-            reduction = grad_reduction(
-                mesh.shard_size, mesh.replicate_size, dtypes.reduce_dtype,
-                self.gradient_divide_factor, self.force_sum_reduction,
-                has_premul_sum(self.group),
-            )
-            self._reduction = reduction, dtypes.reduce_dtype
-        return self._reduction[0]
+        """How this part's gradients are averaged, from the unit's settings now."""
+        part = self._part
+        settings, mesh = part.settings, part.mesh
+        return grad_reduction(
+            mesh.shard_size, mesh.replicate_size, dtypes.reduce_dtype,
+            settings.gradient_divide_factor, settings.force_sum_reduction,
+            part.reduce_premul_sum,
+        )
 
     def _grads_to_reduce(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
         """The parameters that take part in a reduction, and their unsharded gradients."""
-        ledger = self._part.grads
+        ledger, unused = self._part.grads, self._part.settings.reduce_scatter_unused_params
         params, grads = [], []
         for p in self.params:
             if (grad := ledger.take_unsharded(p)) is None:
                 if not (
                     ledger.has_partial(p)
-                    or (self.reduce_scatter_unused_params and p.sharded.requires_grad)
+                    or (unused and p.sharded.requires_grad)
                 ):
                     continue
                 grad = torch.zeros(p.layout.shape, dtype=p.param_dtype, device=self._part.device)
@@ -197,7 +167,8 @@ class Reducer:
         async_op: bool,
     ) -> tuple[torch.Tensor, Work | None]:
         """Reduce-scatter `flat` (row r: rank r's `numel` values) into a new tensor."""
-        part, custom = self._part, self.custom_reduce_scatter
+        part = self._part
+        custom = part.settings.custom_reduce_scatter
         shard_size = part.mesh.shard_size
         if custom is None:
             reduced = flat.new_empty(numel)  # cheaper than torch.empty with dtype and device
@@ -208,7 +179,7 @@ class Reducer:
             output, input = torch.view_as_real(reduced), torch.view_as_real(flat)
         try:
             work = reduce_scatter(
-                output, input, self.group, shard_size, reduction, custom, async_op=async_op,
+                output, input, part.reduce_group, shard_size, reduction, custom, async_op=async_op,
             )
         except RuntimeError as error:
             raise collective_failed(part.label, "reduce-scatter", shard_size, error) from error
@@ -241,9 +212,7 @@ class Reducer:
         if part.mesh.replicate_group is not None:
             final = pending.final
             if final is None:
-                final = combine_replicas(
-                    part, pending.params, pending.sizes, reduced, reduction, self.requires_all_reduce
-                )
+                final = combine_replicas(part, pending.params, pending.sizes, reduced, reduction)
             if not final:
                 return
         if not pending.post_reduced:
@@ -252,8 +221,9 @@ class Reducer:
 
     def _post_reduce(self, reduced: torch.Tensor, reduction: GradReduction) -> None:
         """The all-reduce hook, then the division left after the reduction."""
-        if (hook := self.all_reduce_hook) is not None:
-            side, stream = self._part.streams, self.all_reduce_hook_stream
+        settings = self._part.settings
+        if (hook := settings.all_reduce_hook) is not None:
+            side, stream = self._part.streams, settings.all_reduce_hook_stream
             if side is not None and stream is not None:
                 with side.detour(stream):
                     hook(reduced)

@@ -3,20 +3,16 @@ all-reduces (set_requires_all_reduce(False) for gradient accumulation)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..comm.collectives import GradReduction, all_reduce, collective_failed
 from ..param.sharded_param import ShardedParam
-
-if TYPE_CHECKING:  # the part's reducer calls this
-    from .part import MeshPart
+from .part import MeshPart
 
 
 def combine_replicas(
     part: MeshPart, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor,
-    reduction: GradReduction, requires_all_reduce: bool,
+    reduction: GradReduction,
 ) -> bool:
     """Add each parameter's partial sum from earlier reductions to its reduced shard and
     all-reduce across replicas, or, without all-reduce, keep the shards as partial sums.
@@ -26,7 +22,7 @@ def combine_replicas(
     for p, shard in shards:
         if (partial := ledger.take_partial(p)) is not None:
             shard.add_(partial)
-    if not requires_all_reduce:
+    if not part.settings.requires_all_reduce:
         ledger.keep_partial(shards)
         return False
     assert mesh.replicate_group is not None

@@ -1,21 +1,44 @@
 """A unit: the parameters one fully_shard call gathers and reduces together, as one part
 per mesh they live on (usually one; see unit/part.py), the way FSDP2 keeps a list of parameter
-groups. The hooks, the root and FSDPModule see only this; each step loops over the parts,
-every part's all-gather started before the first is waited for."""
+groups, each with its Gatherer and Reducer; and its settings. The hooks, the root and
+FSDPModule see only this; each step loops over the parts, every part's all-gather started
+before the first is waited for.
+
+CommContext: the collectives units have in flight, and how many they may have (FSDP2 keeps
+its comm context beside its parameter groups too). Units start all-gathers ahead of use
+(prefetch) and leave reduce-scatters running while the next unit's backward computes. Both
+hold buffers until they are waited for, so both are bounded: at most `max_all_gathers`
+prefetched gathers not yet copied out (a fast CPU thread cannot run the allocator ahead of
+the collectives), and at most `max_reductions` reduce-scatters with their input buffers.
+Every rank issues and waits in the same order, as the hooks run in the same order
+everywhere. A root's units share one; roots may share one too (`share_comm_ctx`, e.g.
+pipeline stages).
+"""
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..comm.meshes import separate_group
 from ..comm.streams import SideStreams
+from ..param.extension import PRE
 from ..param.sharded_param import ShardedParam
-from .part import MeshPart
+from .codec import AllGatherCodec
+from .gather import Gatherer
+from .held import GRADIENT_LEDGER
+from .part import MeshPart, UnitSettings
+from .reduce import Reducer
 
 
 class Unit:
-    def __init__(self, parts: list[MeshPart]) -> None:
+    def __init__(self, parts: list[MeshPart], settings: UnitSettings) -> None:
         self.parts = parts  # one per mesh, the unit's own mesh first
+        self.settings = settings  # the parts'
+        self.gatherers = [Gatherer(part) for part in parts]
+        self.reducers = [Reducer(part) for part in parts]
         first = parts[0]
         self.params: list[ShardedParam] = [p for part in parts for p in part.params]
         self.mesh: DeviceMesh = first.device_mesh
@@ -42,42 +65,42 @@ class Unit:
 
     @property
     def is_unsharded(self) -> bool:
-        for part in self.parts:
-            if not part.gatherer.is_unsharded:
+        for gatherer in self.gatherers:
+            if not gatherer.is_unsharded:
                 return False
         return True
 
     @property
     def gather_in_flight(self) -> bool:
-        for part in self.parts:
-            if part.gatherer.in_flight:
+        for gatherer in self.gatherers:
+            if gatherer.in_flight:
                 return True
         return False
 
     def unshard(self, async_op: bool = False) -> None:
-        for part in self.parts:
-            part.gatherer.unshard(async_op=True)
+        for gatherer in self.gatherers:
+            gatherer.unshard(async_op=True)
         if not async_op:
             self.wait_for_unshard()
 
     def wait_for_unshard(self) -> None:
-        for part in self.parts:
-            part.gatherer.wait_for_unshard()
+        for gatherer in self.gatherers:
+            gatherer.wait_for_unshard()
 
     def reshard(self, keep_post_forward: bool = False) -> None:
-        for part in self.parts:
-            part.gatherer.reshard(keep_post_forward)
+        for gatherer in self.gatherers:
+            gatherer.reshard(keep_post_forward)
 
     def reduce_grads(self) -> bool:
         """Start every part's reduction, in order; whether any had gradients."""
         started = False
-        for part in self.parts:
-            started = part.reducer.reduce_grads() or started
+        for reducer in self.reducers:
+            started = reducer.reduce_grads() or started
         return started
 
     def finish_reduction(self) -> None:
-        for part in self.parts:
-            part.reducer.finish_reduction()
+        for reducer in self.reducers:
+            reducer.finish_reduction()
 
     def has_unsharded_grads(self) -> bool:
         for part in self.parts:
@@ -86,10 +109,14 @@ class Unit:
         return False
 
     def held_by_kind(self) -> dict[str, int]:
-        """Bytes held beyond the shards, by kind (see MeshPart.held_by_kind)."""
+        """Bytes held beyond the shards, by kind (unit/held.py): unsharded data, the
+        all-gather's and the reduce-scatter's buffers, pieces kept after forward, the
+        gradient ledger."""
         held: dict[str, int] = {}
-        for part in self.parts:
-            for kind, nbytes in part.held_by_kind().items():
+        for part, gatherer, reducer in zip(self.parts, self.gatherers, self.reducers):
+            by_kind = {**gatherer.held_by_kind(), **reducer.held_by_kind(),
+                       GRADIENT_LEDGER: part.grads.nbytes()}
+            for kind, nbytes in by_kind.items():
                 held[kind] = held.get(kind, 0) + nbytes
         return held
 
@@ -97,8 +124,16 @@ class Unit:
         return sum(self.held_by_kind().values())
 
     def adopt_registered(self) -> None:
+        """Take back parameters changed behind our back (see ShardedParam.adopt_registered)
+        and follow parameters frozen or unfrozen since, and all-gather hooks attached to or
+        removed from a local shard (see param/extension.py): their part lays out anew.
+        Parameters change between iterations: forward calls this once per iteration."""
         for part in self.parts:
-            part.adopt_registered()
+            for p in part.params:
+                if p.adopt_registered(part.fqn_prefix):
+                    part.layout = None
+                elif hasattr(p.local, PRE) is (p.extension is None):  # hooks attached or removed
+                    part.layout = None
 
     def meta_problem(self) -> str | None:
         return next((m for part in self.parts if (m := part.meta_problem()) is not None), None)
@@ -116,6 +151,61 @@ class Unit:
 
     def discard_backward(self) -> None:
         """The backward did not finish: forget its gradients, keep the earlier ones."""
-        for part in self.parts:
-            part.reducer.discard()
+        for part, reducer in zip(self.parts, self.reducers):
+            reducer.discard()
             part.grads.discard()
+
+    # -- setters whose change reaches beyond UnitSettings ------------------------------------
+
+    def set_post_forward_meshes(self, meshes: list[DeviceMesh | None]) -> None:
+        """Reshard each part after forward to dim 1 of its mesh in `meshes`, or fully."""
+        for gatherer, mesh in zip(self.gatherers, meshes):
+            gatherer.set_post_forward_mesh(mesh)
+
+    def set_codec(self, param: ShardedParam, codec: AllGatherCodec | None) -> None:
+        """Gather `param` through `codec` (None: plainly)."""
+        if codec is None:
+            self.settings.codecs.pop(param, None)
+        else:
+            self.settings.codecs[param] = codec
+        self.shards_replaced()  # a one-rank part without codecs gathers nothing: see Layout
+
+    def set_separate_reduce_scatter_group(self, enable: bool) -> None:
+        """Reduce-scatter on a group of its own per part (a collective the first time)."""
+        for part in self.parts:
+            group = part.mesh.shard_group
+            part.use_reduce_group(separate_group(group) if enable else group)
+
+
+class CommContext:
+    def __init__(self) -> None:
+        self.max_all_gathers = 2
+        self.max_reductions = 1
+        self.changed_by: str | None = None  # the module whose setter changed a bound
+        self._gathers: list[Unit] = []  # started asynchronously, oldest first
+        self._reductions: deque[Unit] = deque()
+
+    def prefetch(self, unit: Unit) -> None:
+        """Start `unit`'s all-gather without waiting; its unshard() finishes it."""
+        if unit.is_unsharded or unit.gather_in_flight or not unit.params:
+            return
+        gathers = self._gathers
+        if len(gathers) >= self.max_all_gathers:
+            # Gathers finished since (their unit ran) no longer count.
+            gathers[:] = [u for u in gathers if u.gather_in_flight]
+            while len(gathers) >= self.max_all_gathers:
+                gathers.pop(0).wait_for_unshard()
+        unit.unshard(async_op=True)
+        gathers.append(unit)
+
+    def reduce(self, unit: Unit) -> None:
+        """Start `unit`'s gradient reduction; `finish_reductions` (or a later one) ends it."""
+        while len(self._reductions) >= self.max_reductions:
+            self._reductions.popleft().finish_reduction()
+        if unit.reduce_grads():
+            self._reductions.append(unit)
+
+    def finish_reductions(self) -> None:
+        """Wait for every reduction in flight, oldest first (the end of backward)."""
+        while self._reductions:
+            self._reductions.popleft().finish_reduction()

@@ -212,8 +212,8 @@ def check_separate_group() -> tuple[float, float, bool]:
     errors = train_and_compare(MLP, mse_loss, feature_batch, wrap=wrap, shard_fns=shard_fns)
     (part,) = units[0].parts
     group = part.mesh.shard_group
-    separate = part.reducer.group is not group and dist.get_process_group_ranks(
-        part.reducer.group
+    separate = part.reduce_group is not group and dist.get_process_group_ranks(
+        part.reduce_group
     ) == dist.get_process_group_ranks(group)
     return (*errors, separate)
 

@@ -102,7 +102,7 @@ def shard_on_recorded_streams(module, **kwargs):
     unit = module._state().unit
     (part,) = unit.parts
     unit.streams = part.streams = RecordingStreams()
-    part.gatherer._buffer, part.reducer._buffer = LoggedBuffer("gather"), LoggedBuffer("reduce")
+    unit.gatherers[0]._buffer, unit.reducers[0]._buffer = LoggedBuffer("gather"), LoggedBuffer("reduce")
     return module
 
 

@@ -1,7 +1,8 @@
 """The docs and the layout stay true to the code: docs/design.md's module map is the one the
-package's docstrings generate (every module listed), every name README.md and docs/design.md
-give in backticks exists, and no file, class or function of the package outgrows what a
-reader takes in at once."""
+package's docstrings generate (every module listed), its step path the one a traced step
+enters (in at most 10 files), every name README.md and docs/design.md give in backticks
+exists, no module imports one that imports it, and no file, class or function of the package
+outgrows what a reader takes in at once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import importlib
 import importlib.util
 import pathlib
 import re
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "fsdp_compose"
@@ -32,6 +35,54 @@ def test_design_module_map_is_generated_from_the_package():
             assert f"  {path.name} " in listed, f"{path.relative_to(ROOT)} is not in the map"
     folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
     assert sorted(tool.ORDER) == folders
+
+
+def test_design_step_path_is_the_traced_step_and_stays_within_ten_files():
+    # A process of its own: the trace initialises a (fake) process group.
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "step_path.py"), "--check"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr + "\nrun: python docs/step_path.py --write"
+    head = re.search(r"(\d+) functions in (\d+) files", (ROOT / "docs" / "design.md").read_text())
+    assert head is not None and int(head.group(2)) <= 10, head and head.group(0)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The package's modules that `path` imports, `TYPE_CHECKING` blocks included."""
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            target = f"{base}.{node.module}" if node.module else base
+            found.update({target, *(f"{target}.{alias.name}" for alias in node.names)})
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp_compose"):
+            found.add(node.module)
+    return found
+
+
+def test_no_module_imports_one_that_imports_it():
+    modules = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts): p
+        for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"
+    }
+    graph = {name: _imports(path) & modules.keys() for name, path in modules.items()}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            name = todo.pop()
+            if name == goal:
+                return True
+            if name not in seen:
+                seen.add(name)
+                todo.extend(graph[name])
+        return False
+
+    circles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a))
+    assert not circles, circles
 
 
 def test_no_file_class_or_function_outgrows_a_read():
