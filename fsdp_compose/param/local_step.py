@@ -20,6 +20,7 @@ hooks run inside it and see the local tensors.
 from __future__ import annotations
 
 import functools
+import operator
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -69,7 +70,8 @@ class _LocalStep:
         self._optimizer, self._step = optimizer, step
         self._outside: Any = None  # the state dict the inside one was built from
         self._inside: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, local)
+        self._params: list[torch.Tensor] = []  # every group's, when the inside state was built
+        self._locals: list[torch.Tensor] = []  # their local tensors then
         self._counted = (0, 0)  # the inside state's entries and keys when last in sync
 
     def __call__(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
@@ -80,45 +82,52 @@ class _LocalStep:
             with torch.enable_grad():
                 loss = closure()
         groups = [group["params"] for group in self._optimizer.param_groups]
-        self._enter(groups)
+        params = [p for group in groups for p in group]
+        locals_ = self._enter(groups, params)
         try:
             self._step(**kwargs)
         finally:
-            self._leave(groups)
+            self._leave(groups, params, locals_)
         return loss
 
-    def _enter(self, groups: list[list[torch.Tensor]]) -> None:
-        optimizer, pairs = self._optimizer, []
-        for group, params in zip(optimizer.param_groups, groups):
-            locals_ = []
-            for p in params:
-                local = p._local_tensor if isinstance(p, DTensor) else p
-                if local is not p:
-                    grad = p.grad
-                    local.grad = None if grad is None else grad._local_tensor  # type: ignore[attr-defined]
-                locals_.append(local)
-                pairs.append((p, local))
-            group["params"] = locals_
-        if optimizer.state is not self._outside or not _same(pairs, self._pairs):
-            self._take_state(pairs)
+    def _enter(self, groups: list[list[torch.Tensor]], params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Give the optimizer each parameter's local tensor, the local tensor of its DTensor
+        gradient as `.grad`, and the state of those; returns the local tensors."""
+        optimizer = self._optimizer
+        locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
+        start = 0
+        for group, group_params in zip(optimizer.param_groups, groups):
+            group["params"] = locals_[start : start + len(group_params)]
+            start += len(group_params)
+        for p, local in zip(params, locals_):
+            if local is not p:
+                grad = p.grad
+                local.grad = None if grad is None else grad._local_tensor  # type: ignore[attr-defined]
+        if optimizer.state is not self._outside or not (
+            _identical(params, self._params) and _identical(locals_, self._locals)
+        ):
+            self._take_state(params, locals_)
         optimizer.state = self._inside
+        return locals_
 
-    def _take_state(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _take_state(self, params: list[torch.Tensor], locals_: list[torch.Tensor]) -> None:
         """The inside state from the optimizer's (a first step, a load_state_dict, a
         parameter given new local data): local parts of the same tensors."""
         outside = self._optimizer.state
-        self._outside, self._pairs = outside, pairs
+        self._outside, self._params, self._locals = outside, params, locals_
         self._inside = defaultdict(dict)
-        for p, local in pairs:
+        for p, local in zip(params, locals_):
             if p in outside:
                 self._inside[local] = {k: _local(v) for k, v in outside[p].items()}
         self._counted = _count(self._inside)
 
-    def _leave(self, groups: list[list[torch.Tensor]]) -> None:
+    def _leave(
+        self, groups: list[list[torch.Tensor]], params: list[torch.Tensor], locals_: list[torch.Tensor]
+    ) -> None:
         optimizer = self._optimizer
-        for group, params in zip(optimizer.param_groups, groups):
-            group["params"] = params
-        for p, local in self._pairs:
+        for group, group_params in zip(optimizer.param_groups, groups):
+            group["params"] = group_params
+        for p, local in zip(params, locals_):
             if local is not p:
                 local.grad = None  # the gradient stays the DTensor's: hold it once
         if (counted := _count(self._inside)) != self._counted:
@@ -130,16 +139,14 @@ class _LocalStep:
         """The step created state (these classes create it once, then update it in place):
         DTensors over the new local tensors, outside."""
         outside = self._outside
-        for p, local in self._pairs:
+        for p, local in zip(self._params, self._locals):
             inside = self._inside.get(local)
             if inside is not None and (p not in outside or _changed(outside[p], inside)):
                 outside[p] = {k: _like(p, local, v) for k, v in inside.items()}
 
 
-def _same(pairs: list[tuple[torch.Tensor, torch.Tensor]], known: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    return len(pairs) == len(known) and all(
-        p is q and a is b for (p, a), (q, b) in zip(pairs, known)
-    )
+def _identical(tensors: list[torch.Tensor], known: list[torch.Tensor]) -> bool:
+    return len(tensors) == len(known) and all(map(operator.is_, tensors, known))
 
 
 def _count(state: dict[torch.Tensor, dict[str, Any]]) -> tuple[int, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,11 +14,20 @@ from torch import nn
 
 from ..param.policies import cast_floating
 from .agreement import check_ranks_agree
-from .eager import run_eagerly
 from .iteration import Root, UnitState
 from .phase import FORWARD, IDLE, current_graph_task_id, in_backward
 from .state import state_of
 from .unmanaged import stop_watching
+
+
+def _call(hook: Callable[..., Any], *args: Any) -> Any:
+    return hook(*args)
+
+
+# Under torch.compile the hooks run eagerly, outside the graph: they communicate and resize
+# storage, which graphs cannot hold. They call this first thing when dynamo traces them
+# (is_dynamo_compiling() reads True), so compilation breaks the graph around them.
+run_eagerly: Callable[..., Any] = torch.compiler.disable(_call)
 
 
 def install_hooks(state: UnitState) -> None:
@@ -173,7 +183,6 @@ def _units_under(root: UnitState) -> list[UnitState]:
                 f"{type(root.modules[0]).__name__}. Run forward through the outermost "
                 "annotated module first."
             )
-        s.unit.label = fqn or f"<root {type(module).__name__}>"
-        s.unit.fqn_prefix = f"{fqn}." if fqn else ""
+        s.unit.name(fqn, fqn or f"<root {type(module).__name__}>")
         states.append(s)
     return states

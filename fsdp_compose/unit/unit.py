@@ -49,33 +49,23 @@ class Unit:
     def label(self) -> str:
         return self.parts[0].label
 
-    @label.setter
-    def label(self, label: str) -> None:  # the parts' messages name the unit as it does
-        for part in self.parts:
-            part.label = label
-
     @property
     def fqn_prefix(self) -> str:
         return self.parts[0].fqn_prefix
 
-    @fqn_prefix.setter
-    def fqn_prefix(self, prefix: str) -> None:
+    def name(self, fqn: str, label: str) -> None:
+        """At lazy init: the unit's fqn under its root, for its messages (`label`) and its
+        parameters' fqns."""
         for part in self.parts:
-            part.fqn_prefix = prefix
+            part.label, part.fqn_prefix = label, f"{fqn}." if fqn else ""
 
     @property
     def is_unsharded(self) -> bool:
-        for gatherer in self.gatherers:
-            if not gatherer.is_unsharded:
-                return False
-        return True
+        return all(gatherer.is_unsharded for gatherer in self.gatherers)
 
     @property
     def gather_in_flight(self) -> bool:
-        for gatherer in self.gatherers:
-            if gatherer.in_flight:
-                return True
-        return False
+        return any(gatherer.in_flight for gatherer in self.gatherers)
 
     def unshard(self, async_op: bool = False) -> None:
         for gatherer in self.gatherers:
@@ -103,10 +93,7 @@ class Unit:
             reducer.finish_reduction()
 
     def has_unsharded_grads(self) -> bool:
-        for part in self.parts:
-            if part.grads.has_unsharded_grads():
-                return True
-        return False
+        return any(part.grads.has_unsharded_grads() for part in self.parts)
 
     def held_by_kind(self) -> dict[str, int]:
         """Bytes held beyond the shards, by kind (unit/held.py): unsharded data, the
