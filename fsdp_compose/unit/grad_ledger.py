@@ -3,8 +3,8 @@
 
 Note [gradients per backward]: a backward's gradients count only once it has finished.
 Until then autograd writes this backward's unsharded gradient into `unsharded.grad`, and
-the ledger keeps apart what it may still undo: the reduced shards (`_held`, or each
-parameter's in `_pending_shard`), which earlier sums a reduction spent, and the HSDP
+the ledger keeps apart what it may still undo: the reduced shards (`_pending_shard`),
+which earlier sums a reduction spent, and the HSDP
 partial sums it made. Committed are the unsharded sums of backwards without gradient sync
 (`_accumulated`) and the HSDP partial sums of backwards without all-reduce (`_partial`).
 The end of backward commits; a backward that raised is discarded, leaving what earlier
@@ -21,16 +21,13 @@ from ..param.sharded_param import ShardedParam
 
 
 class GradLedger:
-    def __init__(self, params: list[ShardedParam], sizes: list[int]) -> None:
+    def __init__(self, params: list[ShardedParam]) -> None:
         self._params = params
-        self._sizes = sizes  # each parameter's padded shard
         # Committed: unsharded sums without sync, in reduce_dtype; HSDP partial sums.
         self._accumulated: dict[ShardedParam, torch.Tensor] = {}
         self._partial: dict[ShardedParam, torch.Tensor] = {}
-        # Pending: this backward's reduced shards (every parameter's, back to back, when a
-        # single reduction had them all: see _commit_held) or each parameter's; the
-        # committed sums a reduction included; new partial sums.
-        self._held: torch.Tensor | None = None
+        # Pending: this backward's reduced shards, the committed sums a reduction included,
+        # new partial sums.
         self._pending_shard: dict[ShardedParam, torch.Tensor] = {}
         self._spent_accumulated: set[ShardedParam] = set()
         self._pending_partial: dict[ShardedParam, torch.Tensor] = {}
@@ -41,8 +38,7 @@ class GradLedger:
         backwards (without gradient sync; HSDP's partial sums)."""
         kept = [*self._pending_shard.values(), *self._accumulated.values(),
                 *self._partial.values(), *self._pending_partial.values()]
-        held = 0 if self._held is None else self._held.nbytes
-        return held + sum(t.nbytes for t in kept)
+        return sum(t.nbytes for t in kept)
 
     # -- unsharded gradients ---------------------------------------------------------------
 
@@ -83,25 +79,10 @@ class GradLedger:
     # -- reduced shards ----------------------------------------------------------------------
 
     def hold(self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor) -> None:
-        """Keep reduced gradient shards (padded, back to back) until the backward finishes:
-        whole when they are every parameter's and the first (see _commit_held), else each
-        parameter its own."""
-        if self._held is None and len(params) == len(self._params):
-            self._held = reduced
-            return
-        self._hold_each(params, sizes, reduced)
-
-    def _hold_each(self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor) -> None:
-        self.hold_shards(params, torch.split_with_sizes(reduced, sizes))
-
-    def hold_shards(self, params: list[ShardedParam], shards: Iterable[torch.Tensor]) -> None:
-        """Keep each parameter's reduced gradient shard (flat, padded) until the backward
-        finishes."""
-        if (held := self._held) is not None:  # an earlier reduction's, whole: see hold
-            self._held = None
-            self._hold_each(self._params, self._sizes, held)
+        """Keep reduced gradient shards (padded, back to back; `sizes` each) until the
+        backward finishes; a second reduction in this backward adds to the first's."""
         pending = self._pending_shard
-        for p, shard in zip(params, shards):
+        for p, shard in zip(params, torch.split_with_sizes(reduced, sizes)):
             earlier = pending.get(p)
             pending[p] = shard if earlier is None else earlier + shard
 
@@ -112,15 +93,9 @@ class GradLedger:
         they included are spent), its unreduced gradients join the unsharded sums (in
         reduce_dtype when that is wider: summing in place, autograd would keep
         param_dtype), its partial sums replace the old."""
-        reduced: list[ShardedParam] | dict[ShardedParam, torch.Tensor] = self._pending_shard
-        if self._held is not None:
-            held, self._held = self._held, None
-            self._commit_held(held)
-            reduced = self._params
-        elif self._pending_shard:
-            for p, shard in self._pending_shard.items():
-                p.add_to_grad(shard)
-            self._pending_shard = {}
+        reduced, self._pending_shard = self._pending_shard, {}
+        for p, shard in reduced.items():
+            p.add_to_grad(shard)
         if self._spent_accumulated:
             for p in self._spent_accumulated:
                 del self._accumulated[p]
@@ -143,15 +118,8 @@ class GradLedger:
 
     def discard(self) -> None:
         """The backward did not finish: forget its gradients, keep the earlier ones."""
-        self._held = None
         for p in self._params:
             p.unsharded.grad = None
         self._pending_shard = {}
         self._spent_accumulated = set()
         self._spent_partial, self._pending_partial = set(), {}
-
-    def _commit_held(self, held: torch.Tensor) -> None:
-        """Add every parameter's reduced shard in `held` to its `.grad` (the `.grad`s that
-        were None become views of `held`: ShardedParam.add_to_grad)."""
-        for p, shard in zip(self._params, torch.split_with_sizes(held, self._sizes)):
-            p.add_to_grad(shard)

@@ -64,7 +64,7 @@ class MeshPart:
         self.streams: SideStreams | None = side_streams(mesh.device)  # None on the CPU
         self.sizes = [p.layout.padded_shard_numel for p in params]  # per row, padded
         self.all_dim0 = all(p.layout.dim == 0 for p in params)  # see shard_placement_fn
-        self.grads = GradLedger(params, self.sizes)
+        self.grads = GradLedger(params)
         self.use_reduce_group(mesh.shard_group)
         # None until laid out, and again once a parameter changed: the next gather lays out.
         self.layout: Layout | None = None
