@@ -1,15 +1,11 @@
 """python -m fsdp_compose.run: run a program with fsdp_compose in place of torch's fully_shard.
 
     python -m fsdp_compose.run train.py --lr 1e-3
-    python -m fsdp_compose.run -m torchtitan.train --job.config_file x.toml
     torchrun --nproc_per_node=8 -m fsdp_compose.run -m torchtitan.train --job.config_file x.toml
-    accelerate launch -m fsdp_compose.run train.py
 
-It switches first (replace_torch_fsdp), before the program imports anything, then runs
-the script or module as `__main__` as Python would: its arguments in sys.argv, its folder
-(a script's) first on sys.path, its exit code and its exceptions as they are. Rank 0 (the
-RANK variable launchers set; any process without one) prints one line saying which
-implementation is in place.
+It calls replace_torch_fsdp before the program imports anything, then runs the script or
+module as `__main__` as Python would (its argv, its folder on sys.path, its exit code and
+exceptions). Rank 0 (the RANK variable launchers set) says which implementation is in place.
 """
 
 from __future__ import annotations

@@ -7,11 +7,9 @@ from torch.distributed._composable.checkpoint_activation import checkpoint
 
 
 def checkpoint_blocks(model: nn.Module, block_class: type[nn.Module], every: int = 1) -> list[str]:
-    """Recompute the activations of every `every`-th `block_class` module of `model` (in
-    module order, starting with the first) in backward instead of keeping them: the
-    fraction 1/every of the blocks, as in selective checkpointing. Before or after
-    fully_shard alike; recomputation reuses the parameters backward gathered, so it costs
-    no all-gather. Returns the fqns of the checkpointed blocks. Ours, not torch's."""
+    """Ours: recompute in backward the activations of every `every`-th `block_class` module
+    of `model`, from the first; return their fqns. Before or after fully_shard alike;
+    recomputation reuses the parameters backward gathered."""
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"checkpoint_blocks: every must be a positive int, got {every!r}")
     blocks = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, block_class)]

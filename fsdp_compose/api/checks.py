@@ -3,6 +3,8 @@ first collective and before anything changes, so a failed call leaves the module
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,7 +19,9 @@ from ..schedule.state import state_of
 # tell "sharded by an enclosing fully_shard" from a tensor-parallel DTensor.
 SHARDED_MARK = "_fsdp_compose_sharded"
 
-Collected = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
+Holders = list[tuple[nn.Module, str]]  # every (module, attribute) registering a parameter
+Collected = list[tuple[str, nn.Parameter, Holders]]
+
 
 def check_modules(modules: list[nn.Module]) -> None:
     if not modules:
@@ -27,18 +31,16 @@ def check_modules(modules: list[nn.Module]) -> None:
             raise TypeError(
                 f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}"
             )
+        where = f"fully_shard({type(m).__name__})"
         if state_of(m) is not None:
             raise ValueError(
-                f"fully_shard({type(m).__name__}): this module is already annotated; call "
-                "fully_shard once per module."
+                f"{where}: this module is already annotated; call fully_shard once per module."
             )
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
-            # Its hooks would never run: nothing calls a container without forward.
             raise ValueError(
-                f"fully_shard({type(m).__name__}): a container without forward is never called, "
-                "so its unit would never gather. Annotate its children (for block in "
-                "container: fully_shard(block)), or pass them as one unit: "
-                "fully_shard(list(container))."
+                f"{where}: a container without forward is never called, so its unit would never "
+                "gather. Annotate its children (for block in container: fully_shard(block)), or "
+                "pass them as one unit: fully_shard(list(container))."
             )
 
 
@@ -59,31 +61,31 @@ def check_reshard_after_forward(value: object, where: str, shard_size: int | Non
 
 
 def check_options(
-    name: str, reshard_after_forward: object, shard_placement_fn: object,
-    mp_policy: object, offload_policy: object,
+    name: str, reshard_after_forward: object, shard_placement_fn: object, mp_policy: object,
+    offload_policy: object,
 ) -> None:
-    check_reshard_after_forward(reshard_after_forward, f"fully_shard({name})", None)
+    where = f"fully_shard({name})"
+    check_reshard_after_forward(reshard_after_forward, where, None)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
-            f"fully_shard({name}): mp_policy must be a MixedPrecisionPolicy (fsdp_compose's "
-            f"or torch's), got {type(mp_policy).__module__}.{type(mp_policy).__name__}"
+            f"{where}: mp_policy must be a MixedPrecisionPolicy (fsdp_compose's or torch's), "
+            f"got {type(mp_policy).__module__}.{type(mp_policy).__name__}"
         )
     for field in ("param_dtype", "reduce_dtype", "output_dtype"):
         dtype = getattr(mp_policy, field)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(
-                f"fully_shard({name}): MixedPrecisionPolicy.{field}={dtype!r} is not a "
-                "floating-point torch.dtype; use e.g. torch.bfloat16, or None to keep the "
-                "parameters' dtype."
+                f"{where}: MixedPrecisionPolicy.{field}={dtype!r} is not a floating-point "
+                "torch.dtype; use e.g. torch.bfloat16, or None to keep the parameters' dtype."
             )
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
-            f"fully_shard({name}): offload_policy must be an OffloadPolicy or CPUOffloadPolicy "
+            f"{where}: offload_policy must be an OffloadPolicy or CPUOffloadPolicy "
             f"(fsdp_compose's or torch's), got {type(offload_policy).__name__}"
         )
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(
-            f"fully_shard({name}): shard_placement_fn must be a callable (param) -> Shard | "
+            f"{where}: shard_placement_fn must be a callable (param) -> Shard | "
             f"ShardPlacementResult | None, got {type(shard_placement_fn).__name__}"
         )
 
@@ -91,8 +93,7 @@ def check_options(
 def check_dp_mesh_dims(
     name: str, mesh: DeviceMesh, dims: object, reshard_after_forward: object
 ) -> None:
-    """dp_mesh_dims names data-parallel dims of `mesh`: a name or names (flattened) each for
-    shard and replicate (see comm/meshes.py)."""
+    """dp_mesh_dims names dims of `mesh`, in its order, each to shard or to replicate."""
     where = f"fully_shard({name}): dp_mesh_dims"
     if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
         raise TypeError(f"{where} must be a DataParallelMeshDims, got {type(dims).__name__}")
@@ -116,8 +117,7 @@ def check_dp_mesh_dims(
 
 
 def check_spmd_param(name: str, fqn: str, param: nn.Parameter, spmd: SpmdDims) -> None:
-    """With dp_mesh_dims every parameter is a DTensor on the full mesh, replicated over
-    the data-parallel dims (torch's fully_shard requires the same)."""
+    """With dp_mesh_dims, a DTensor on the full mesh, replicated over the data-parallel dims."""
     where = f"fully_shard({name}): parameter {fqn!r}"
     if not isinstance(param, DTensor):
         raise ValueError(
@@ -140,61 +140,49 @@ def check_spmd_param(name: str, fqn: str, param: nn.Parameter, spmd: SpmdDims) -
 def check_mesh(
     name: str, mesh: object, dp_mesh_dims: object = None, reshard_after_forward: object = None
 ) -> None:
-    """The mesh, with dp_mesh_dims and reshard_after_forward, as fully_shard can use them."""
+    where = f"fully_shard({name})"
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard({name}): mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    check_rank_in(f"fully_shard({name})", mesh)
+        raise TypeError(f"{where}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    check_rank_in(where, mesh)
     if dp_mesh_dims is not None:
         check_dp_mesh_dims(name, mesh, dp_mesh_dims, reshard_after_forward)
     device_type = mesh.device_type
     if device_type != "cpu" and not _device_available(device_type):
         raise ValueError(
-            f"fully_shard({name}): the mesh is on device type {device_type!r}, which this "
-            f"torch build or machine does not have (torch.{device_type}.is_available() is "
-            "False). Build the mesh on \"cpu\" (gloo), or run where that device is present."
+            f"{where}: the mesh is on device type {device_type!r}, which this torch build or "
+            f"machine does not have (torch.{device_type}.is_available() is False). Build the "
+            "mesh on \"cpu\" (gloo), or run where that device is present."
         )
     if mesh.ndim not in (1, 2) and dp_mesh_dims is None:
         raise ValueError(
-            f"fully_shard({name}): the mesh has {mesh.ndim} dimensions; pass a 1-D mesh "
-            "(full sharding) or a 2-D (replicate, shard) mesh (HSDP), e.g. mesh['dp'], or "
-            "name its data-parallel dims with dp_mesh_dims."
+            f"{where}: the mesh has {mesh.ndim} dimensions; pass a 1-D mesh (full sharding) or "
+            "a 2-D (replicate, shard) mesh (HSDP), e.g. mesh['dp'], or name its data-parallel "
+            "dims with dp_mesh_dims."
         )
-    check_reshard_after_forward(
-        reshard_after_forward, f"fully_shard({name})", mesh.size(mesh.ndim - 1)
-    )
+    check_reshard_after_forward(reshard_after_forward, where, mesh.size(mesh.ndim - 1))
 
 
 def _device_available(device_type: str) -> bool:
-    module = getattr(torch, device_type, None)
-    is_available = getattr(module, "is_available", None)
-    return bool(is_available()) if callable(is_available) else False
+    is_available = getattr(getattr(torch, device_type, None), "is_available", None)
+    return callable(is_available) and bool(is_available())
 
 
-def collect_params(
-    modules: list[nn.Module], name: str, ignored: set[nn.Parameter]
-) -> Collected:
-    """(fqn, parameter, every (module, attribute) holding it) for each parameter under
-    `modules` not inside an inner unit and not ignored (some may be tied to another unit's:
-    see schedule/tied.py)."""
-    found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+def unit_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """(fqn prefix, module) for `module` and its submodules outside inner units, parents first."""
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is not None and state_of(child) is None:  # an inner unit's are its own
+            yield from unit_modules(child, f"{prefix}{name}.")
 
-    def visit(module: nn.Module, prefix: str) -> None:
+
+def collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> Collected:
+    """(fqn, parameter, holders) for each parameter under `modules` that no inner unit
+    claimed and not ignored (it may be tied to another unit's: see schedule/tied.py)."""
+    found: dict[int, tuple[str, nn.Parameter, Holders]] = {}
+    for prefix, module in [pair for m in modules for pair in unit_modules(m)]:
         for attr, param in module._parameters.items():
-            if param is None or param in ignored:
-                continue
-            fqn = prefix + attr
-            if id(param) in found:
-                found[id(param)][2].append((module, attr))  # tied within the unit
-            else:
-                found[id(param)] = (fqn, param, [(module, attr)])
-        for child_name, child in module._modules.items():
-            if child is None:
-                continue
-            if state_of(child) is None:  # an inner unit's parameters are its own
-                visit(child, f"{prefix}{child_name}.")
-
-    for m in modules:
-        visit(m, "")
+            if param is not None and param not in ignored:
+                found.setdefault(id(param), (prefix + attr, param, []))[2].append((module, attr))
     return list(found.values())
 
 
@@ -224,45 +212,42 @@ def refuse_post_forward_tensor_parallel(where: str, fqn: str) -> None:
 def check_params(
     name: str, collected: Collected, device: torch.device, meshes: list[UnitMesh]
 ) -> None:
-    """Each parameter as fully_shard can shard it over its mesh (shard_placement_fn's)."""
     for (fqn, param, _), mesh in zip(collected, meshes):
+        where = f"fully_shard({name}): parameter {fqn!r}"
         if mesh.spmd is not None:
             check_spmd_param(name, fqn, param, mesh.spmd)
         elif isinstance(param, DTensor):
             if getattr(param, SHARDED_MARK, False):
                 raise ValueError(
-                    f"fully_shard({name}): parameter {fqn!r} is already sharded by fully_shard "
-                    "on an enclosing module. Annotate bottom-up: inner modules first, then "
-                    "the modules that contain them."
+                    f"{where} is already sharded by fully_shard on an enclosing module. Annotate "
+                    "bottom-up: inner modules first, then the modules that contain them."
                 )
             check_tensor_parallel(name, fqn, param, mesh.mesh)
             if mesh.post_forward_mesh is not None:
                 refuse_post_forward_tensor_parallel(f"fully_shard({name})", fqn)
         if param.ndim == 0:
             raise ValueError(
-                f"fully_shard({name}): parameter {fqn!r} is a scalar and cannot be sharded on "
-                "dim 0. Give it shape (1,), or pass it in ignored_params to keep it whole."
+                f"{where} is a scalar and cannot be sharded on dim 0. Give it shape (1,), or "
+                "pass it in ignored_params to keep it whole."
             )
         if param.device.type not in (device.type, "cpu", "meta"):
             raise ValueError(
-                f"fully_shard({name}): parameter {fqn!r} is on {param.device} but the mesh is "
-                f"on {device.type}. Build the mesh on the parameters' device type, or move "
-                "the module there first."
+                f"{where} is on {param.device} but the mesh is on {device.type}. Build the mesh "
+                "on the parameters' device type, or move the module there first."
             )
 
 
 def check_rank_in(where: str, mesh: DeviceMesh) -> None:
-    """Refuse a mesh that leaves out this rank: torch would fail later in get_group with a
-    bare IndexError, or a collective would wait for ranks that never come."""
-    if mesh.get_coordinate() is not None:  # torch's public "this rank is in the mesh"
+    """Refuse a mesh without this rank: torch would fail later with a bare IndexError, or a
+    collective would wait for ranks that never come."""
+    if mesh.get_coordinate() is not None:  # this rank is in the mesh
         return
     ranks = mesh.mesh  # listed when few, else counted
     listed = ranks.tolist() if ranks.numel() <= 16 else (
         f"{ranks.numel()} from {int(ranks.min())} to {int(ranks.max())}")
     raise ValueError(
         f"{where}: rank {dist.get_rank()} is not in the mesh (shape {tuple(mesh.shape)}, dims "
-        f"{mesh.mesh_dim_names or 'unnamed'}, ranks {listed}), whose process groups have no "
-        "place for it: build the mesh over ranks that include every rank that calls "
-        "fully_shard with it (e.g. init_device_mesh over the whole world), or call "
-        "fully_shard with it only on the mesh's ranks."
+        f"{mesh.mesh_dim_names or 'unnamed'}, ranks {listed}): build the mesh over ranks that "
+        "include every rank that calls fully_shard with it (e.g. init_device_mesh over the "
+        "whole world), or call fully_shard with it only on the mesh's ranks."
     )

@@ -1,6 +1,5 @@
 """FSDPModule's setters for how its units communicate: the reduction's arithmetic, bounds on
-the collectives in flight, and custom collectives, codecs and hooks.
-A mixin of FSDPModule (api/fsdp_module.py), which holds the units' states."""
+the collectives in flight, and custom collectives, codecs and hooks."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from ..unit.unit import Unit
 
 
 class CommSetters:
-    """Setters of FSDPModule (see there), as torch's fully_shard has them, and ours."""
+    """A mixin of FSDPModule (api/fsdp_module.py): torch's setters, and ours."""
 
     # FSDPModule's: this module's unit state, and with recurse those of every unit under it.
     _state: Callable[[], UnitState]
@@ -40,16 +39,13 @@ class CommSetters:
         self.set_gradient_divide_factor(factor)
 
     def set_max_all_gathers_in_flight(self, limit: int) -> None:
-        """At most `limit` (default 2) prefetched all-gathers in flight; prefetching another
-        first finishes the oldest. Bounds the unsharded memory prefetch can hold. Call on
-        the root (its units share the bound). Ours; torch's is fixed at 2."""
+        """Ours: at most `limit` (default 2, torch's fixed value) prefetched all-gathers in
+        flight, bounding prefetch's memory. Call on the root (its units share the bound)."""
         self._set_comm_bound("max_all_gathers", limit, "set_max_all_gathers_in_flight")
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """At most `max_input_buffers` (default 1) gradient reductions in flight, each
-        holding its input and output buffers, while the next unit's backward computes.
-        Call on the root (its units share the bound; `recurse` is accepted for torch's
-        signature)."""
+        """At most `max_input_buffers` (default 1) gradient reductions in flight. Call on the
+        root (its units share the bound; `recurse` is only torch's signature)."""
         self._set_comm_bound("max_reductions", max_input_buffers, "set_reduce_scatter_max_input_buffers")
 
     def _set_comm_bound(self, attr: str, value: int, setter: str) -> None:
@@ -60,19 +56,14 @@ class CommSetters:
         comm.changed_by = type(self).__name__
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """Reduce a zero gradient for parameters this rank's backward did not reach, so that
-        ranks whose control flow uses different parameters of a unit (mixture of experts,
-        multi-modal branches) still send the same reduce-scatter. Such parameters' `.grad`
-        is then a tensor (the average, zeros where no rank used them), never None."""
+        """Reduce zeros for parameters this rank's backward did not reach (mixture of experts),
+        so all ranks send the same reduce-scatter; such a `.grad` is a tensor, never None."""
         for state in self._states(recurse):
             state.settings.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_post_optim_event(self, event: torch.Event | None) -> None:
-        """The next forward's all-gathers wait for `event` (recorded after an optimizer step
-        on another stream) instead of everything before them. Waited for once, then
-        dropped: set a new event every iteration. Set on any unit, it applies to its root
-        (one event per root, as in torch). None (what recording an event on the CPU's
-        current stream returns) waits for nothing."""
+        """The root's next forward all-gathers wait for `event` (an optimizer step on another
+        stream) once: set one every iteration. None (CPU's recorded event) waits for nothing."""
         if event is not None and not callable(getattr(event, "wait", None)):
             raise TypeError(
                 f"{type(self).__name__}.set_post_optim_event: expected a torch.Event, got "
@@ -82,26 +73,21 @@ class CommSetters:
         (state.root.state if state.initialised else state).post_optim_event = event
 
     def set_custom_all_gather(self, comm: CustomComm) -> None:
-        """Gather this unit's parameters with `comm(output, input, group, async_op=False)`
-        (returning a Work or None) instead of all_gather_single; `comm.allocate(size, *,
-        dtype, device)`, if defined, allocates the output. torch's AllGather interface."""
+        """Gather this unit with `comm(output, input, group, async_op=False)` -> Work | None;
+        `comm.allocate(size, *, dtype, device)`, if any, allocates the output (torch's API)."""
         unit = _one_mesh(self, "set_custom_all_gather")
         unit.settings.custom_all_gather = comm
         unit.shards_replaced()  # at one rank too, the gather runs through `comm`: see Layout
 
     def set_custom_reduce_scatter(self, comm: CustomComm) -> None:
-        """Reduce this unit's gradients with `comm(output, input, group, op,
-        async_op=False)` instead of reduce_scatter_single; `comm.allocate`, if defined,
-        allocates input and output. torch's ReduceScatter interface."""
+        """Reduce this unit's gradients with `comm(output, input, group, op, async_op=False)`;
+        `comm.allocate`, if any, allocates input and output (torch's API)."""
         _one_mesh(self, "set_custom_reduce_scatter").settings.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
-        """Call `hook(reduced)` on this unit's reduced gradients (the reduce-scatter output,
-        or the all-reduce output with HSDP) before the final division: e.g. an all-reduce
-        across another dimension. It must modify the buffer in place. On an accelerator it
-        runs right after the reduction on the reduce-scatter stream, or on `stream` (which
-        first waits for the reduction; the gradients then wait for it), as torch's; on the
-        CPU, once the reduction is done."""
+        """Call `hook(reduced)` on this unit's reduced gradients before the final division, to
+        modify them in place (e.g. all-reduce across another dim). On an accelerator it runs on
+        the reduce-scatter stream, or on `stream`, ordered both ways with it, as torch's."""
         if stream is not None and not callable(getattr(stream, "wait_stream", None)):
             raise TypeError(
                 f"{type(self).__name__}.set_all_reduce_hook: stream must be a torch.Stream "
@@ -113,9 +99,8 @@ class CommSetters:
     def set_all_gather_codec(
         self, codec: AllGatherCodec | None, params: list[str] | None = None
     ) -> None:
-        """Send this unit's parameters named in `params` (fqns under this module; default
-        all) through `codec` in the all-gather, e.g. `Int8RowCodec()` for weights; None
-        sends them plainly again. Ours, not torch's; see AllGatherCodec."""
+        """Ours: gather the parameters named in `params` (fqns; default all) through `codec`,
+        e.g. `Int8RowCodec()`; None sends them plainly again."""
         unit = self._state().unit
         by_fqn = {p.fqn: p for p in unit.params}
         names = list(by_fqn) if params is None else params
@@ -128,9 +113,8 @@ class CommSetters:
             unit.set_codec(by_fqn[name], codec)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """Reduce-scatter on a process group of its own (over the same ranks), so gradient
-        reductions in flight do not queue behind prefetched all-gathers. Collective over
-        each unit's shard ranks: call it on every rank alike."""
+        """Reduce-scatter on a process group of its own, so reductions do not queue behind
+        prefetched all-gathers. Collective: call it on every rank alike."""
         for state in self._states(recurse):
             state.unit.set_separate_reduce_scatter_group(enable)
 
@@ -142,8 +126,7 @@ class CommSetters:
 
 
 def _one_mesh(module: CommSetters, setter: str) -> Unit:
-    """The module's unit, when its parameters are on one mesh (torch refuses these setters
-    too when shard_placement_fn put some on another)."""
+    """The module's unit, when on one mesh (as torch, with shard_placement_fn's meshes)."""
     unit = module._state().unit
     if len(unit.parts) > 1:
         raise ValueError(

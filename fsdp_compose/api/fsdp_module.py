@@ -17,9 +17,8 @@ from .comm_setters import CommSetters
 
 
 class FSDPModule(CommSetters):
-    """A module annotated by `fully_shard`. Its class is a dynamic subclass of this one and of
-    its original class, so `isinstance(module, OriginalClass)` still holds. Its setters of
-    how the units communicate are in api/comm_setters.py."""
+    """A module annotated by `fully_shard`: its class subclasses this one and its original
+    class, so `isinstance(module, OriginalClass)` still holds."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> FSDPModule:
         # Containers such as nn.Sequential build new instances of their own class when
@@ -32,11 +31,11 @@ class FSDPModule(CommSetters):
         return cast(FSDPModule, module)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
-        name = type(self).__name__
         raise TypeError(
-            f"copy.deepcopy({name}): an annotated module cannot be deep-copied (its units hold "
-            "process groups and shared buffers). Copy the model before fully_shard and annotate "
-            "the copy, or build a new model, annotate it and load_state_dict(model.state_dict())."
+            f"copy.deepcopy({type(self).__name__}): an annotated module cannot be deep-copied "
+            "(its units hold process groups and shared buffers). Copy the model before "
+            "fully_shard and annotate the copy, or build a new model, annotate it and "
+            "load_state_dict(model.state_dict())."
         )
 
     def _state(self) -> UnitState:
@@ -47,14 +46,8 @@ class FSDPModule(CommSetters):
     def _states(self, recurse: bool) -> list[UnitState]:
         if not recurse:
             return [self._state()]
-        states: list[UnitState] = []
-        for module in self.modules():  # type: ignore[attr-defined]
-            state = state_of(module)
-            if state is not None and not any(state is s for s in states):
-                states.append(state)
-        return states
-
-    # -- state ------------------------------------------------------------------------------
+        states = (state_of(m) for m in self.modules())  # type: ignore[attr-defined]
+        return list({id(s): s for s in states if s is not None}.values())  # once each, in order
 
     @overload
     def unshard(self, async_op: Literal[False] = ...) -> None: ...
@@ -64,8 +57,8 @@ class FSDPModule(CommSetters):
     def unshard(self, async_op: bool) -> UnshardHandle | None: ...
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this unit's parameters now. With `async_op=True`, return a handle whose
-        `wait()` finishes the unshard; the next forward waits for it too."""
+        """All-gather this unit's parameters now; with `async_op=True`, return a handle whose
+        `wait()` finishes it (the next forward waits for it too)."""
         unit = self._state().unit
         unit.adopt_registered()  # the caller may have changed the parameters
         if unit.streams is not None:
@@ -78,16 +71,14 @@ class FSDPModule(CommSetters):
         self._state().unit.reshard()
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
-        """Keep the unsharded parameters' storage allocated when resharding (its data
-        pointers then stay the same across reshard and unshard, as CUDA graph capture
-        needs), at the cost of the memory resharding frees. Newer torch's method."""
+        """Keep the unsharded storage allocated on reshard, so data pointers stay fixed (as CUDA
+        graphs need) at the cost of that memory. Newer torch's method."""
         for state in self._states(recurse):
             state.settings.keep_unsharded_storage = keep
 
     def reset_iter_state(self) -> None:
-        """Forget the current iteration (e.g. after an exception): every unit under the root
-        is resharded and IDLE. Safe to call at any time, on the root (before the first
-        forward, on any annotated module: none is a root yet)."""
+        """Forget the current iteration (e.g. after an exception): reshard every unit under the
+        root and make it IDLE. Call on the root (before the first forward, on any module)."""
         state = self._state()
         if state.initialised and not state.is_root:
             raise RuntimeError(
@@ -98,15 +89,11 @@ class FSDPModule(CommSetters):
         state.reset_iter_state()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for code written for torch's fully_shard, which waits for pending
-        gradient reductions only after the last backward. Here every backward finishes its
-        reductions before it returns, so each one is complete and there is nothing to set."""
+        """Accepted for torch's API; a no-op: every backward here finishes its reductions."""
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
-        """Newer torch's switch for finalizing backward by hand (`finalize_backward`). Here
-        every backward still finishes its own reductions with the settings of its time, so
-        either way the gradients are the same; `finalize_backward` reduces what those
-        settings left unsharded. Call on the root, not during backward."""
+        """Newer torch's; a no-op here (every backward finishes its reductions), checked as
+        torch does: on the root, not during backward."""
         state = self._state()
         if state.initialised and not state.is_root:
             raise RuntimeError(
@@ -124,38 +111,35 @@ class FSDPModule(CommSetters):
     def finalize_backward(self, *, async_op: bool) -> GradientReductionHandle | None: ...
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
-        """After the backward passes of one step: reduce the gradients held unsharded (by
-        backwards without gradient sync) with the current settings, reshard, and commit
-        them to the sharded `.grad`s. A no-op before the first forward. Not between a
-        forward and its backward. Synchronous; with `async_op` the handle's wait() returns
-        at once (newer torch's signature)."""
+        """After a step's backward passes, reduce the gradients held unsharded (no gradient
+        sync) with the current settings and commit them to the `.grad`s; a no-op before the
+        first forward, an error between a forward and its backward. Synchronous: with
+        `async_op`, the handle's wait() returns at once."""
         state = self._state()
         if state.initialised:
             state.root.finalize_backward()
         return GradientReductionHandle() if async_op else None
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """With False, backward keeps unsharded gradients on each rank and accumulates
-        them; the next backward with True reduces the sum. For gradient accumulation."""
+        """With False, backward accumulates unsharded gradients; the next with True reduces."""
         for state in self._states(recurse):
             state.settings.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP only: with False, backward reduce-scatters but keeps the result for the next
-        backward that all-reduces across replicas (gradient accumulation with less
-        communication). No effect on a 1-D mesh."""
+        """HSDP: with False, backward reduce-scatters but defers the all-reduce across replicas
+        to the next backward with True."""
         for state in self._states(recurse):
             state.settings.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(
         self, reshard_after_forward: bool | int, recurse: bool = True
     ) -> None:
-        """Whether to free the unsharded parameters after forward (gathered again in
-        backward); an int keeps them sharded over groups of that many ranks instead."""
+        """Free the unsharded parameters after forward; an int k keeps them sharded over
+        groups of k ranks instead. As fully_shard's argument."""
         states = self._states(recurse)
+        where = f"{type(self).__name__}.set_reshard_after_forward"
         for state in states:  # check every unit (every mesh of one) before changing any
             for part in state.unit.parts:
-                where = f"{type(self).__name__}.set_reshard_after_forward"
                 check_reshard_after_forward(reshard_after_forward, where, part.mesh.shard_size)
                 smaller = reshard_after_forward not in (True, False, 1, part.mesh.shard_size)
                 if smaller and (tp := [p.fqn for p in part.params if p.is_tensor_parallel]):
@@ -169,42 +153,35 @@ class FSDPModule(CommSetters):
             state.settings.reshard_after_forward = resolved[-1][0]
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Whether to free the unsharded parameters after backward (e.g. keep them across
-        gradient-accumulation micro-batches)."""
+        """Free the unsharded parameters after backward (False: keep them for the next)."""
         for state in self._states(recurse):
             state.settings.reshard_after_backward = reshard_after_backward
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Whether backward gathers this unit's parameters; False for units whose parameters
-        backward never reads."""
+        """Whether backward gathers this unit (False when backward never reads it)."""
         self._state().settings.unshard_in_backward = unshard_in_backward
 
-    # -- prefetch ---------------------------------------------------------------------------
-
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Start gathering `modules`' units as soon as this unit is gathered in forward, so
-        their all-gathers overlap this unit's compute (e.g. the next block or two)."""
-        self._state().prefetch.forward = _prefetch_states(self, modules, "forward")
+        """Start gathering `modules` once this unit is gathered in forward (the next blocks)."""
+        where = f"{type(self).__name__}.set_modules_to_forward_prefetch"
+        self._state().prefetch.forward = annotated_states(modules, where)
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Start gathering `modules`' units as soon as this unit is gathered in backward
-        (e.g. the previous block, whose backward runs next)."""
-        self._state().prefetch.backward = _prefetch_states(self, modules, "backward")
+        """Start gathering `modules` once this unit is gathered in backward (the previous block)."""
+        where = f"{type(self).__name__}.set_modules_to_backward_prefetch"
+        self._state().prefetch.backward = annotated_states(modules, where)
 
     def set_implicit_forward_prefetch(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """Prefetch in forward without explicit lists: each unit starts gathering the unit
-        whose forward followed its own in the last iteration (ours; torch has no implicit
-        forward prefetch). Units prefetched but not run, when the order changes, are
-        resharded at the end of the forward. Explicit lists take precedence."""
+        """Ours: each unit prefetches the unit whose forward followed its own last iteration
+        (resharded after forward if not run); explicit lists take precedence."""
         for state in self._states(recurse):
             state.prefetch.implicit_forward = enable
 
 
-def _prefetch_states(owner: FSDPModule, modules: list[FSDPModule], where: str) -> list[UnitState]:
+def annotated_states(modules: list[FSDPModule], where: str) -> list[UnitState]:
     if bad := [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]:
         raise ValueError(
-            f"{type(owner).__name__}.set_modules_to_{where}_prefetch: {bad} are not "
-            "annotated; pass modules that fully_shard annotated."
+            f"{where}: {bad} are not annotated; pass modules that fully_shard annotated."
         )
     return [m._state() for m in modules]
 
@@ -213,7 +190,7 @@ class GradientReductionHandle:
     """Returned by `FSDPModule.finalize_backward(async_op=True)`: the reduction is done."""
 
     def wait(self) -> None:
-        """Nothing to wait for: finalize_backward finishes before it returns."""
+        """Nothing to wait for: finalize_backward finished before it returned."""
 
 
 class UnshardHandle:

@@ -29,7 +29,7 @@ from .checks import (
     check_params,
     collect_params,
 )
-from .fsdp_module import FSDPModule
+from .fsdp_module import FSDPModule, annotated_states
 from .init import move_buffers, sync_from_first_rank, unit_buffers
 from .placement import ShardPlacementFn, shard_placements
 from .state_dict import install_state_dict_hooks
@@ -44,29 +44,19 @@ def _annotated_class(cls: type) -> type:
 
 @overload
 def fully_shard(
-    module: nn.Module,
-    *,
-    mesh: DeviceMesh | None = ...,
+    module: nn.Module, *, mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: ShardPlacementFn | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
-    sync_module_states: bool = ...,
+    shard_placement_fn: ShardPlacementFn | None = ..., mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ..., ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ..., sync_module_states: bool = ...,
 ) -> FSDPModule: ...
 @overload
 def fully_shard(
-    module: list[nn.Module],
-    *,
-    mesh: DeviceMesh | None = ...,
+    module: list[nn.Module], *, mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: ShardPlacementFn | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
-    sync_module_states: bool = ...,
+    shard_placement_fn: ShardPlacementFn | None = ..., mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ..., ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ..., sync_module_states: bool = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -84,30 +74,20 @@ def fully_shard(
 ) -> FSDPModule | list[FSDPModule]:
     """Shard `module`'s parameters over `mesh`; gather them only while it computes.
 
-    In place: the module keeps its class (now also an FSDPModule), its submodules and its
-    parameters' names; its parameters become DTensors sharded on dim 0, so an optimizer
-    built afterwards steps on shards. Call it bottom-up; each call claims the parameters no
-    inner call claimed, and a list of modules forms one unit:
+    In place: the module keeps its class (now also an FSDPModule), submodules and parameter
+    names; its parameters become DTensors sharded on dim 0, for an optimizer built afterwards.
+    Call it bottom-up (each call claims what no inner call claimed; a list forms one unit):
 
         for block in model.layers:
             fully_shard(block)
         fully_shard(model)
 
-    `reshard_after_forward`: free the unsharded parameters after forward and gather them
-    again for backward; None means True, except for the root unit (the first to run
-    forward), which keeps them. An int k (dividing the shard size, e.g. the ranks of one
-    host) keeps them sharded over groups of k consecutive ranks, so backward gathers there.
-    `mp_policy`: the dtypes the unit gathers, computes and reduces in.
-    `offload_policy=CPUOffloadPolicy()` keeps the shards, their gradients and so the
-    optimizer step in CPU memory. `ignored_params` stay as they are: not sharded, not
-    reduced. A model built on the meta device is annotated as is, then given values by
-    `materialize`; a model on CPU is moved to the mesh's device one shard at a time.
-    Tensor-parallel DTensor parameters (parallelize_module on mesh["tp"] first) are sharded
-    over `mesh=mesh["dp"]` as 2-D parameters.
-
-    Ours, not torch's: `sync_module_states=True` first overwrites the unit's parameters and
-    buffers with those of the mesh's first rank, so every rank starts identical. Arguments
-    are checked before anything changes: a call that raises leaves `module` untouched.
+    `reshard_after_forward`: free the unsharded parameters after forward (None: True, but the
+    root keeps them); an int k dividing the shard size keeps them sharded over k ranks.
+    `offload_policy=CPUOffloadPolicy()` keeps shards, gradients and the optimizer step on CPU.
+    `ignored_params` are neither sharded nor reduced. Meta-device models get values from
+    `materialize`. Ours: `sync_module_states=True` first copies the mesh's first rank's
+    parameters and buffers to every rank. A call that raises leaves `module` untouched.
     """
     modules = list(module) if isinstance(module, list) else [module]
     check_modules(modules)
@@ -117,9 +97,8 @@ def fully_shard(
     mesh = mesh if mesh is not None else default_mesh(name)
     check_mesh(name, mesh, dp_mesh_dims, reshard_after_forward)
     resolved = unit_mesh(mesh, reshard_after_forward, dp_mesh_dims)
-    collected = collect_params(modules, name, set(ignored_params or ()))
+    collected = collect_params(modules, set(ignored_params or ()))
     collected, borrowed = _split_tied(name, collected, resolved, mp_policy)
-    # These may raise too: before anything changes.
     placements = shard_placements(name, collected, shard_placement_fn, resolved, reshard_after_forward)
     check_params(name, collected, resolved.device, [param_mesh for _, param_mesh in placements])
     policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]
@@ -128,21 +107,15 @@ def fully_shard(
         sync_from_first_rank(tensors, resolved.mesh, resolved.device)  # data-parallel dims only
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     _annotate(modules, name, collected, placements, policies, borrowed, resolved, mp_policy, offload)
-    _watch_unmanaged(modules, ignored_params)
+    # Until the first forward, look for parameters no unit manages: see schedule/unmanaged.py.
+    sharded = [p for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False)]
+    watch([*sharded, *(ignored_params or ())])
     return module  # type: ignore[return-value]  # annotated in place: now FSDPModules
-
-
-def _watch_unmanaged(modules: list[nn.Module], ignored: set[nn.Parameter] | None) -> None:
-    """Until the first forward, look for parameters no unit manages (see schedule/unmanaged.py)."""
-    sharded = (p for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False))
-    watch([*sharded, *(ignored or ())])
 
 
 def _split_tied(
     name: str, collected: Collected, resolved: UnitMesh, mp_policy: MixedPrecisionPolicy
 ) -> tuple[Collected, list[Borrowed]]:
-    """The parameters this unit will own, and those another unit owns already (tied),
-    checked for borrowing."""
     own: Collected = []
     borrowed: list[Borrowed] = []
     for fqn, param, holders in collected:
@@ -156,9 +129,9 @@ def _split_tied(
 
 def _annotate(
     modules: list[nn.Module], name: str, collected: Collected,
-    placements: list[tuple[int, UnitMesh]],
-    policies: list[MixedPrecisionPolicy], borrowed: list[Borrowed], resolved: UnitMesh,
-    mp_policy: MixedPrecisionPolicy, offload: CPUOffloadPolicy | None,
+    placements: list[tuple[int, UnitMesh]], policies: list[MixedPrecisionPolicy],
+    borrowed: list[Borrowed], resolved: UnitMesh, mp_policy: MixedPrecisionPolicy,
+    offload: CPUOffloadPolicy | None,
 ) -> None:
     """Shard the checked parameters, build the unit, install its hooks, borrow the tied."""
     params = [
@@ -176,7 +149,7 @@ def _annotate(
         for managed in m.modules():  # the markers torch's fully_shard sets, which
             managed.__dict__.update(_MANAGED_MARKERS)  # transformers and dynamo read
         attach(m, state)
-        cls: type = type(m)
+        cls: type = type(m)  # as a plain type: functools.cache wants it hashable
         m.__class__ = _annotated_class(cls)
     install_hooks(state)
     install_state_dict_hooks(state)
@@ -188,8 +161,7 @@ def _annotate(
 def _unit_of(
     params: list[ShardedParam], meshes: list[UnitMesh], resolved: UnitMesh, name: str
 ) -> Unit:
-    """A unit of one part per mesh its parameters are on (shard_placement_fn may put some
-    on their own), the unit's mesh first."""
+    """One part per mesh of the parameters (see shard_placement_fn), the unit's mesh first."""
     by_mesh: dict[int, tuple[UnitMesh, list[ShardedParam]]] = {id(resolved): (resolved, [])}
     for param, mesh in zip(params, meshes):
         by_mesh.setdefault(id(mesh), (mesh, []))[1].append(param)
@@ -202,15 +174,10 @@ def _unit_of(
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """Make the roots `modules` (e.g. pipeline stages on one rank) share one communication
     context: one bound on prefetched all-gathers and on reductions in flight between them."""
-    if bad := [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]:
-        raise ValueError(f"share_comm_ctx: {bad} are not annotated; pass fully_shard modules.")
-    if not modules:
-        return
-    comm = modules[0]._state().comm
-    for module in modules[1:]:
-        state = module._state()
+    states = annotated_states(modules, "share_comm_ctx")
+    for state in states[1:]:
         for other in state.root.states if state.initialised else [state]:
-            other.comm = comm
+            other.comm = states[0].comm
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

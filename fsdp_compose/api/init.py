@@ -13,22 +13,17 @@ from torch.distributed.tensor import DTensor
 from ..comm.collectives import broadcast
 from ..param.sharded_param import ShardedParam
 from ..schedule.state import state_of
+from .checks import unit_modules
 
 
 def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:
-    """Give the meta parameters and buffers under annotated `module` real values on the
-    units' devices, one module at a time: whole tensors for one module's own parameters,
-    then each rank keeps its shard.
+    """Give the meta parameters and buffers under annotated `module` values on the units'
+    devices, one module at a time: its own tensors whole, then this rank's shards (peak
+    memory: the shards plus the largest module's own parameters).
 
-    Each module that owns meta parameters or buffers gets `init_fn(module)`, by default its
-    `reset_parameters()`, children before parents (the order of `Module.apply`). The rule
-    that makes it deterministic: every rank runs the same initialisation on whole tensors
-    from its random generator, so with the same seed on every rank the values are those of
-    the non-sharded model after `model.to_empty(device=...)` and `model.apply(init_fn)`
-    from that seed. With the default, that is the model built on the device directly,
-    whenever its modules create their parameters with their own `reset_parameters()` in
-    module order (as torch.nn layers do). `init_fn(module)` initialises the module's own
-    parameters and buffers; its submodules' are already sharded by then.
+    Each module owning meta tensors gets `init_fn(module)` (default: `reset_parameters()`),
+    children first, as `Module.apply`; with one seed on every rank, the values are those of
+    the unsharded model after `model.to_empty(device=...)` and `model.apply(init_fn)`:
 
         with torch.device("meta"):
             model = GPT(config)
@@ -37,9 +32,6 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
         fully_shard(model)
         torch.manual_seed(0)                  # the same on every rank
         materialize(model, init_fn=init_weights)
-
-    Peak memory: the shards plus the largest module's own parameters, whole (a parameter
-    tied between modules stays whole until the last of them is initialised).
     """
     if (root := state_of(module)) is None:
         raise TypeError(
@@ -48,7 +40,11 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
         )
     if init_fn is None:
         _check_resettable(module)
-    owned = _owned_params(module)
+    owned = {  # (id(owner), attribute) -> the sharded parameter there
+        (id(owner), attr): param
+        for m in module.modules() if (state := state_of(m)) is not None
+        for param in state.unit.params for owner, attr in param.owners
+    }
     whole: dict[ShardedParam, nn.Parameter] = {}
     owners_left: dict[ShardedParam, int] = {}
 
@@ -75,19 +71,10 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
             state.unit.shards_replaced()
 
 
-def _owned_params(module: nn.Module) -> dict[tuple[int, str], ShardedParam]:
-    """(id(owner), attribute) -> the sharded parameter there, for every unit under `module`."""
-    return {
-        (id(owner), attr): param
-        for m in module.modules() if (state := state_of(m)) is not None
-        for param in state.unit.params for owner, attr in param.owners
-    }
-
-
 def _shard_if_done(
     param: ShardedParam, whole: dict[ShardedParam, nn.Parameter], owners_left: dict[ShardedParam, int]
 ) -> None:
-    """One owner of `param` was initialised: once the last was, keep this rank's shard."""
+    """One owner of `param` was initialised: after the last, keep this rank's shard."""
     owners_left[param] -= 1
     if not owners_left[param]:
         param.materialize(whole.pop(param).detach())
@@ -96,14 +83,10 @@ def _shard_if_done(
 
 
 def _materialize_own(
-    m: nn.Module,
-    mine: list[tuple[str, ShardedParam | None]],
-    device: torch.device,
-    whole: dict[ShardedParam, nn.Parameter],
-    owners_left: dict[ShardedParam, int],
+    m: nn.Module, mine: list[tuple[str, ShardedParam | None]], device: torch.device,
+    whole: dict[ShardedParam, nn.Parameter], owners_left: dict[ShardedParam, int],
 ) -> bool:
-    """Replace `m`'s own meta tensors by uninitialised ones on `device` (whole tensors for
-    sharded parameters); return whether `m` has any left to initialise."""
+    """Replace `m`'s own meta tensors by empty whole ones on `device`; return whether any."""
     to_init = False
     for attr, param in mine:
         if param is not None and param.is_meta:
@@ -147,27 +130,15 @@ def _check_resettable(module: nn.Module) -> None:
 
 def unit_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
     """The buffers under `modules` outside inner units (those synced their own)."""
-    found: list[torch.Tensor] = []
-
-    def visit(m: nn.Module) -> None:
-        found.extend(b for b in m._buffers.values() if b is not None)
-        for child in m.children():
-            if state_of(child) is None:
-                visit(child)
-
-    for m in modules:
-        visit(m)
-    return found
+    owners = [owner for m in modules for _, owner in unit_modules(m)]
+    return [b for owner in owners for b in owner._buffers.values() if b is not None]
 
 
 def sync_from_first_rank(
     tensors: Iterable[torch.Tensor], mesh: DeviceMesh, device: torch.device
 ) -> None:
-    """Overwrite `tensors` on every rank of `mesh` (the data-parallel mesh) with the values
-    of its first rank (one broadcast per dtype and mesh dimension). A tensor-parallel
-    DTensor's local shard is what is sent: each rank gets the shard of the rank that holds
-    the same tensor-parallel part in its data-parallel group's first replica. Meta tensors
-    have no values and are skipped."""
+    """Overwrite `tensors` (DTensors: their local tensor; not meta ones) on every rank of the
+    data-parallel `mesh` with its first rank's: one broadcast per dtype and mesh dim."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         local = t.to_local() if isinstance(t, DTensor) else t
@@ -183,8 +154,7 @@ def sync_from_first_rank(
 
 
 def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
-    """Buffers follow their parameters to the mesh's device (parameters move by sharding);
-    meta buffers wait for `materialize`."""
+    """Move buffers to the mesh's device, as sharding moves parameters (not meta ones)."""
     for m in modules:
         for module in m.modules():
             for attr, buffer in module._buffers.items():

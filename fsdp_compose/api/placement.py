@@ -20,18 +20,15 @@ def shard_placements(
     name: str, params: list[tuple[str, nn.Parameter, Any]], fn: ShardPlacementFn | None,
     mesh: UnitMesh, reshard_after_forward: bool | int | None,
 ) -> list[tuple[int, UnitMesh]]:
-    """Each parameter's (fqn, parameter, holders) shard dim (from 0) and mesh: what
-    `fn(param)` returns (None: dim 0 on the unit's mesh; `Shard(dim)`, a negative dim
-    counting from the last; a `ShardPlacementResult(placement, mesh_info)` whose mesh_info
-    (torch's FSDPMeshInfo / HSDPMeshInfo) has a 1-D or a 2-D (replicate, shard) `mesh`, or,
-    built with dp_mesh_dims, the full SPMD `spmd_mesh` the parameter is a DTensor on and
-    its `dp_mesh_dims`), checked. Like torch's fully_shard, a dim other than 0 must split
-    evenly over the shard ranks (its padding would cost copies around every collective);
-    a tensor-parallel parameter is sharded as its local tensor. Parameters on one mesh
-    share its UnitMesh."""
+    """Each parameter's shard dim and mesh, as `fn(param)` returns them, checked: None (dim 0
+    on the unit's mesh), `Shard(dim)`, or a `ShardPlacementResult(placement, mesh_info)` whose
+    mesh_info has a 1-D or 2-D `mesh` or, with dp_mesh_dims, a `spmd_mesh` and its
+    `dp_mesh_dims`. As in torch, a dim other than 0 must split evenly over the shard ranks."""
     if fn is None:
         return [(0, mesh)] * len(params)
-    meshes: dict[tuple[DeviceMesh, DeviceMesh | None], UnitMesh] = {_key(mesh): mesh}
+    # Keyed as a ShardPlacementResult's mesh_info names a mesh: (mesh, spmd_mesh).
+    unit_key = (mesh.mesh, None if mesh.spmd is None else mesh.spmd.mesh)
+    meshes: dict[tuple[DeviceMesh, DeviceMesh | None], UnitMesh] = {unit_key: mesh}
     placements = []
     for fqn, param, _ in params:
         where = f"fully_shard({name}): shard_placement_fn for parameter {fqn!r}"
@@ -44,12 +41,6 @@ def shard_placements(
             resolved = meshes[key]
         placements.append((_shard_dim(where, param, placement, resolved), resolved))
     return placements
-
-
-def _key(mesh: UnitMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
-    """A resolved mesh as a ShardPlacementResult names it: the data-parallel mesh, and the
-    full SPMD mesh with dp_mesh_dims."""
-    return mesh.mesh, None if mesh.spmd is None else mesh.spmd.mesh
 
 
 def _placement_and_mesh_info(where: str, result: object) -> tuple[object, Any]:
@@ -65,9 +56,7 @@ def _placement_and_mesh_info(where: str, result: object) -> tuple[object, Any]:
 def _other_mesh(
     name: str, where: str, info: Any, mesh: UnitMesh, reshard_after_forward: bool | int | None,
 ) -> UnitMesh:
-    """A parameter's own mesh, resolved like a unit's: a data-parallel mesh, or the dims
-    `info.dp_mesh_dims` of the full SPMD mesh `info.spmd_mesh` (MoE experts on their own
-    (efsdp, ep) mesh beside dense parameters on (dp_shard, tp))."""
+    """A parameter's own mesh (MoE experts beside dense parameters), resolved like a unit's."""
     spmd_mesh, dims = getattr(info, "spmd_mesh", None), getattr(info, "dp_mesh_dims", None)
     if (spmd_mesh is None or dims is None) != (mesh.spmd is None):
         unit_kind = "a plain data-parallel mesh" if mesh.spmd is None else "dp_mesh_dims"

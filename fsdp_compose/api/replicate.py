@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -21,18 +19,16 @@ def replicate(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
 ) -> FSDPModule | list[FSDPModule]:
-    """Keep `module`'s parameters whole on every rank of the 1-D `mesh`; average gradients
-    with one all-reduce per unit and backward. Ours: torch's fully_shard API has no replicate().
-
-    A unit of HSDP whose shard group is one rank: the same hooks and FSDPModule methods,
-    no parameter gathers. Units made by `replicate` and by `fully_shard` mix in one model.
-    """
+    """Ours: keep `module`'s parameters whole on every rank of the 1-D `mesh` and average
+    gradients with one all-reduce per unit and backward. An HSDP unit whose shard group is one
+    rank, so units of `replicate` and `fully_shard` mix in one model."""
     name = ", ".join(type(m).__name__ for m in (module if isinstance(module, list) else [module]))
     mesh = mesh if mesh is not None else default_mesh(name)
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ValueError(f"replicate({name}): pass a 1-D DeviceMesh, got {mesh!r}")
-    kwargs: dict[str, Any] = {"mp_policy": mp_policy, "offload_policy": offload_policy}
     # Nothing to free after forward: "unsharding" a replicated unit is a local copy.
-    return fully_shard(module, mesh=replica_mesh(mesh), reshard_after_forward=False,
-                       ignored_params=ignored_params, **kwargs)
+    return fully_shard(
+        module, mesh=replica_mesh(mesh), reshard_after_forward=False, mp_policy=mp_policy,
+        offload_policy=offload_policy, ignored_params=ignored_params,
+    )
 

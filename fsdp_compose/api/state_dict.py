@@ -30,8 +30,7 @@ def install_state_dict_hooks(state: UnitState) -> None:
 def _keys(
     state: UnitState, module: nn.Module, prefix: str
 ) -> Iterator[tuple[str, ShardedParam, nn.Module, str]]:
-    """(state-dict key, parameter, owner, attribute) for each of the unit's parameters
-    (and those it borrows: see schedule/tied.py) registered under `module`."""
+    """(key, parameter, owner, attribute) for the unit's parameters, borrowed ones included."""
     names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
     for param in (*state.unit.params, *state.borrowed_params):
         for owner, attr in param.owners:
@@ -42,8 +41,7 @@ def _keys(
 def _report_sharded(
     state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str
 ) -> None:
-    """While the unit is unsharded, state_dict() would hold the unsharded parameters:
-    put the shards in their place."""
+    """Put the shards where state_dict() found unsharded parameters."""
     if not state.unit.is_unsharded and not state.borrowed_params:
         return
     for key, param, owner, attr in _keys(state, module, prefix):
@@ -55,9 +53,8 @@ def _report_sharded(
 def _shard_loaded(
     state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str
 ) -> None:
-    """Load into the shards: reshard an unsharded unit (its data is about to be stale) and
-    cut whole tensors into this rank's shard. Mismatched shapes pass through to
-    load_state_dict, whose error names the key and both shapes."""
+    """Load into the shards: reshard the unit (its unsharded data would be stale) and cut
+    whole tensors to this rank's shard; other shapes go on to load_state_dict's error."""
     if state.unit.is_unsharded:
         if state.phase is not IDLE:
             raise RuntimeError(

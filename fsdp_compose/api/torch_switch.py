@@ -1,10 +1,7 @@
 """replace_torch_fsdp(): for this process, torch's public FSDP2 names are fsdp_compose's, so
-frameworks that call torch.distributed.fsdp.fully_shard (torchtitan, accelerate and the
-transformers Trainer, Lightning) run on fsdp_compose without an edit.
-
-The one module of the package that names torch's FSDP modules: it rebinds names in them,
-by name, when called, and never imports or calls torch's implementation otherwise
-(docs/design.md, "Frameworks"). FSDP1 (FullyShardedDataParallel) is left alone.
+frameworks that call torch's fully_shard (torchtitan, accelerate, Lightning) run on ours.
+The one module naming torch's FSDP modules: it rebinds names there when called and never
+imports torch's implementation otherwise (docs/design.md, "Frameworks"). FSDP1 is left alone.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ import gc
 import importlib
 import sys
 import warnings
-from types import ModuleType, TracebackType
+from types import ModuleType
 
 from ..comm.meshes import DataParallelMeshDims
 from ..param.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -28,21 +25,16 @@ TORCH_MODULES = (
 )
 # Ours for each of torch's names; a name a torch version lacks is left out there.
 OURS: dict[str, object] = {
-    "fully_shard": fully_shard,
-    "FSDPModule": FSDPModule,
-    "UnshardHandle": UnshardHandle,
-    "MixedPrecisionPolicy": MixedPrecisionPolicy,
-    "OffloadPolicy": OffloadPolicy,
-    "CPUOffloadPolicy": CPUOffloadPolicy,
+    "fully_shard": fully_shard, "FSDPModule": FSDPModule, "UnshardHandle": UnshardHandle,
+    "MixedPrecisionPolicy": MixedPrecisionPolicy, "OffloadPolicy": OffloadPolicy,
+    "CPUOffloadPolicy": CPUOffloadPolicy, "share_comm_ctx": share_comm_ctx,
     "register_fsdp_forward_method": register_fsdp_forward_method,
-    "share_comm_ctx": share_comm_ctx,
     "DataParallelMeshDims": DataParallelMeshDims,
 }
 
 
 class TorchFSDPSwitch:
-    """What replace_torch_fsdp() rebound; `restore()` (or leaving its `with` block) puts
-    torch's names back."""
+    """What replace_torch_fsdp() rebound; `restore()`, or leaving `with`, puts torch's back."""
 
     def __init__(self, replaced: list[tuple[ModuleType, str, object]]) -> None:
         self._replaced = replaced
@@ -61,25 +53,15 @@ class TorchFSDPSwitch:
     def __enter__(self) -> TorchFSDPSwitch:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.restore()
 
 
 def replace_torch_fsdp() -> TorchFSDPSwitch:
-    """Rebind, for this process, torch's public FSDP2 names (fully_shard, FSDPModule,
-    UnshardHandle, the policies, register_fsdp_forward_method, share_comm_ctx and, where
-    torch has it, DataParallelMeshDims) to fsdp_compose's, in torch.distributed.fsdp and
-    wherever torch re-exports them. Returns a handle whose `restore()` undoes it (also a
-    context manager); on again while on, it changes nothing and its handle restores nothing.
-
-    Refuses (RuntimeError, naming the modules) when torch's own fully_shard has already
-    annotated a module in this process: the two runtimes cannot share a model. Warns
-    (RuntimeWarning) naming the modules imported before it that bound torch's names, which
-    keep torch's: `python -m fsdp_compose.run` switches before anything is imported.
-    """
+    """Rebind torch's public FSDP2 names (those in OURS) to fsdp_compose's, in this process,
+    in torch.distributed.fsdp and its re-exports; the handle's `restore()` undoes it. A no-op
+    while on. Raises RuntimeError once torch's fully_shard annotated a module; warns about
+    modules that bound torch's names first (`python -m fsdp_compose.run` switches first)."""
     modules = [m for m in map(_imported, TORCH_MODULES) if m is not None]
     torch_fsdp = modules[0]
     if getattr(torch_fsdp, "fully_shard", None) is fully_shard:
@@ -98,12 +80,9 @@ def replace_torch_fsdp() -> TorchFSDPSwitch:
             "fsdp_compose.run (script or -m module) so that the switch comes first.",
             RuntimeWarning, stacklevel=2,
         )
-    replaced = []
-    for module in modules:
-        for name, ours in OURS.items():
-            if name in originals and hasattr(module, name):
-                replaced.append((module, name, getattr(module, name)))
-                setattr(module, name, ours)
+    replaced = [(m, n, getattr(m, n)) for m in modules for n in originals if hasattr(m, n)]
+    for module, name, _ in replaced:
+        setattr(module, name, OURS[name])
     return TorchFSDPSwitch(replaced)
 
 
@@ -115,7 +94,7 @@ def _imported(name: str) -> ModuleType | None:
 
 
 def _annotated_by(torch_fsdp_module: object) -> list[str]:
-    """The classes of live modules torch's fully_shard annotated (a one-time scan)."""
+    """The classes of live modules torch's fully_shard annotated."""
     assert isinstance(torch_fsdp_module, type)
     # type(), not isinstance: some objects warn when their __class__ is read.
     found = {type(o).__name__ for o in gc.get_objects() if issubclass(type(o), torch_fsdp_module)}
@@ -124,11 +103,8 @@ def _annotated_by(torch_fsdp_module: object) -> list[str]:
 
 def _bound_early(originals: dict[str, object]) -> list[str]:
     """Modules outside torch and fsdp_compose holding one of torch's names as their own."""
-    early = []
-    for name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None)
-        if namespace is None or name.split(".")[0] in ("torch", "fsdp_compose"):
-            continue
-        if any(namespace.get(n) is obj for n, obj in originals.items()):
-            early.append(name)
-    return sorted(early)
+    return sorted(
+        name for name, module in list(sys.modules.items())
+        if name.split(".")[0] not in ("torch", "fsdp_compose")
+        and any(getattr(module, "__dict__", {}).get(n) is obj for n, obj in originals.items())
+    )

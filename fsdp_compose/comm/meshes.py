@@ -1,6 +1,5 @@
-"""The meshes fully_shard works on, resolved once per unit into a UnitMesh: the default
-mesh, the groups and device a unit uses, and the meshes derived from a user's mesh for
-replicate() and reshard_after_forward=<int>; separate reduce-scatter groups."""
+"""The meshes fully_shard works on, resolved once per unit into a UnitMesh: its groups and
+device, and the meshes and groups derived from a user's mesh."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -22,23 +21,20 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class DataParallelMeshDims:
-    """Which named dims of a full SPMD mesh (e.g. ("dp_replicate", "dp_shard", "tp")) are
-    data-parallel: `shard` shards parameters, `replicate` replicates them (both: HSDP;
-    `replicate` alone: DDP-like). torch's class of the same name is accepted too."""
+    """Which named dims of a full SPMD mesh are data-parallel: `shard` shards parameters,
+    `replicate` replicates them (both: HSDP; alone: DDP-like). torch's class is accepted too."""
 
     shard: str | tuple[str, ...] | None = None
     replicate: str | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.shard is None and self.replicate is None:
-            raise ValueError(
-                "At least one of shard or replicate must be set in DataParallelMeshDims"
-            )
+            raise ValueError("At least one of shard or replicate must be set in "
+                             "DataParallelMeshDims")
 
     @property
     def shard_names(self) -> tuple[str, ...]:
-        """`shard` as a tuple of names (torch's helpers, e.g. its mesh-info builder that
-        torchtitan calls, read these)."""
+        """`shard` as a tuple (torch's mesh-info builder, which torchtitan calls, reads it)."""
         return dim_names(self.shard)
 
     @property
@@ -47,21 +43,18 @@ class DataParallelMeshDims:
 
 
 class SpmdDims(NamedTuple):
-    """The full SPMD mesh a unit's parameters are DTensors on (dp_mesh_dims), where its
-    data-parallel dims sit, and the mesh a sharded parameter's spec is on."""
+    """The full SPMD mesh of dp_mesh_dims, and where its data-parallel dims sit."""
 
     mesh: DeviceMesh
     shard: tuple[int, ...]  # the dims that shard (several: flattened into one), if any
     data_parallel: tuple[int, ...]  # every data-parallel dim (shard and replicate)
-    # With several shard dims: the mesh of the sharded spec, on which they are one
-    # flattened dim (HSDP: a replicate dim before it), and what each of its dims is: a dim
+    # With several shard dims, the sharded spec's mesh and what each of its dims is: a dim
     # of `mesh` (its index), or the flattened "replicate" or "shard" dim; else None.
     spec: tuple[DeviceMesh, tuple[int | str, ...]] | None
 
 
 class UnitMesh(NamedTuple):
-    """What a unit and its parameters use of their mesh, resolved once by fully_shard. The
-    last mesh dimension shards; a leading one (HSDP) replicates."""
+    """What a unit uses of its mesh: the last dim shards; a leading one (HSDP) replicates."""
 
     mesh: DeviceMesh
     device: torch.device  # where the unsharded parameters live
@@ -71,8 +64,7 @@ class UnitMesh(NamedTuple):
     replicate_group: ProcessGroup | None
     replicate_size: int
     placements: tuple[Placement, ...]  # a sharded parameter's, on `mesh`
-    # reshard_after_forward resolved: None (decided at lazy init) or a bool, and for an
-    # int group size the smaller mesh whose dim 1 the unit reshards to after forward.
+    # None (decided at lazy init) or a bool; for an int, the mesh it reshards to after forward.
     reshard_after_forward: bool | None
     post_forward_mesh: DeviceMesh | None
     spmd: SpmdDims | None = None  # with dp_mesh_dims: the full mesh; `mesh` is its dp part
@@ -85,33 +77,24 @@ def unit_mesh(
     if dp_mesh_dims is not None:
         dp_mesh, spmd = _data_parallel_part(mesh, dp_mesh_dims)
         return unit_mesh(dp_mesh, reshard_after_forward)._replace(spmd=spmd)
-    hsdp = mesh.ndim == 2
+    hsdp, shard_dim = mesh.ndim == 2, mesh.ndim - 1  # not -1: Note [mesh dims] in compat.py
     reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh)
-    device, shard_group = mesh_device(mesh), mesh.get_group(mesh.ndim - 1)
     return UnitMesh(
-        mesh=mesh,
-        device=device,
-        shard_group=shard_group,
-        shard_size=mesh.size(mesh.ndim - 1),  # not size(-1): Note [mesh dims] in compat.py
-        shard_rank=mesh.get_local_rank(mesh.ndim - 1),
+        mesh=mesh, device=mesh_device(mesh), shard_group=mesh.get_group(shard_dim),
+        shard_size=mesh.size(shard_dim), shard_rank=mesh.get_local_rank(shard_dim),
         replicate_group=mesh.get_group(0) if hsdp else None,
         replicate_size=mesh.size(0) if hsdp else 1,
-        placements=(Replicate(),) * (mesh.ndim - 1) + (Shard(0),),
-        reshard_after_forward=reshard,
-        post_forward_mesh=post_forward,
+        placements=(Replicate(),) * shard_dim + (Shard(0),),
+        reshard_after_forward=reshard, post_forward_mesh=post_forward,
     )
 
 
 def dim_names(names: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    """A DataParallelMeshDims field as a tuple of names."""
     return () if names is None else (names,) if isinstance(names, str) else tuple(names)
 
 
 def _data_parallel_part(mesh: DeviceMesh, dims: Any) -> tuple[DeviceMesh, SpmdDims]:
-    """The data-parallel mesh a unit gathers and reduces over, as a 1-D (shard) or 2-D
-    (replicate, shard) mesh (replicate alone: shard groups of one rank; several names each:
-    flattened into one dim), and where its dims sit in the full mesh. Names are checked
-    (check_dp_mesh_dims)."""
+    """The (replicate, shard) or shard mesh a unit communicates over, and its SpmdDims."""
     names = mesh.mesh_dim_names
     assert names is not None
     shard, replicate = dim_names(dims.shard), dim_names(dims.replicate)
@@ -123,9 +106,7 @@ def _data_parallel_part(mesh: DeviceMesh, dims: Any) -> tuple[DeviceMesh, SpmdDi
         dp_mesh = DeviceMesh._concatenate([_flat(mesh, replicate), _flat(mesh, shard)])
     indices = tuple(names.index(n) for n in (*replicate, *shard))
     shard_indices = tuple(names.index(n) for n in shard)
-    spec = None
-    if len(shard) > 1:
-        spec = _flattened_spec_mesh(mesh, shard, replicate, dp_mesh)
+    spec = _flattened_spec_mesh(mesh, shard, replicate, dp_mesh) if len(shard) > 1 else None
     return dp_mesh, SpmdDims(mesh, shard_indices, indices, spec)
 
 
@@ -137,9 +118,7 @@ def _flat(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
 def _flattened_spec_mesh(
     mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...], dp_mesh: DeviceMesh,
 ) -> tuple[DeviceMesh, tuple[int | str, ...]]:
-    """The mesh torch's fully_shard puts a parameter sharded over several dims on: `mesh`'s
-    dims in order, the first shard dim replaced by the flattened one (with HSDP, by the
-    data-parallel mesh: replicate then shard), the other data-parallel dims dropped."""
+    """The mesh torch's fully_shard puts a parameter sharded over several dims on."""
     names = mesh.mesh_dim_names
     assert names is not None
     parts: list[DeviceMesh] = []
@@ -155,10 +134,8 @@ def _flattened_spec_mesh(
 
 
 def _replicate_only(mesh: DeviceMesh, replicate: tuple[str, ...]) -> DeviceMesh:
-    """A (replicate, 1) mesh over `mesh`'s dims `replicate` (flattened): HSDP whose shard
-    groups are one rank. Built from the whole mesh, which every rank passes alike (a
-    DeviceMesh of one submesh would have ranks outside it create other groups: Note
-    [derived meshes])."""
+    """A (replicate, 1) mesh over `mesh`'s dims `replicate`."""
+    # From the whole mesh, which every rank passes alike (Note [derived meshes]).
     def make() -> DeviceMesh:
         names = mesh.mesh_dim_names
         assert names is not None
@@ -173,44 +150,37 @@ def _replicate_only(mesh: DeviceMesh, replicate: tuple[str, ...]) -> DeviceMesh:
 
 
 def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The 1-D mesh of `mesh`'s last (shard) dim, as torch's fully_shard hands it to
-    all-gather extensions."""
+    """The 1-D mesh of `mesh`'s shard dim, as torch's fully_shard gives all-gather extensions."""
     if mesh.ndim == 1:
         return mesh
     if mesh.mesh_dim_names is not None:
         return mesh[mesh.mesh_dim_names[-1]]
-    return _in_this_world(("shard", mesh), lambda: DeviceMesh.from_group(
-        mesh.get_group(mesh.ndim - 1), mesh.device_type
-    ))
+    group = mesh.get_group(mesh.ndim - 1)
+    return _in_this_world(("shard", mesh), lambda: DeviceMesh.from_group(group, mesh.device_type))
 
 
 def default_mesh(name: str) -> DeviceMesh:
     """A 1-D mesh over every rank of the default process group, on the accelerator if any."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            f"fully_shard({name}): no default process group. Call "
-            "torch.distributed.init_process_group() first (torchrun sets up its environment), "
-            "or pass mesh=."
+            f"fully_shard({name}): no default process group. Call torch.distributed."
+            "init_process_group() first (torchrun sets up its environment), or pass mesh=."
         )
-    # Only an accelerator that is there: a CUDA build names "cuda" without a driver too.
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     device_type = accelerator.type if accelerator is not None else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank's tensors live on for `mesh`."""
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
-# Note [derived meshes]: building a DeviceMesh creates process groups, a step every rank
-# takes together. The derived meshes and groups are cached per source mesh (or group), so
-# they are built once rather than once per annotated module; every rank annotates in the
-# same order, so every rank hits or misses the cache alike. The cache belongs to the world
-# (the default process group) it was built in: a world torn down and built again (test
-# suites, threaded worlds) resolves no group of the last one, so it builds its own.
+# Note [derived meshes]: building a DeviceMesh creates process groups, which every rank does
+# together. Derived meshes and groups are built once per source and cached; every rank
+# annotates in the same order, so all hit or miss alike. The cache is per world (default
+# process group): a world built anew (tests) resolves no group of the last one.
 _derived: weakref.WeakKeyDictionary[ProcessGroup, dict[Hashable, Any]] = weakref.WeakKeyDictionary()
 
 
@@ -218,13 +188,11 @@ def _in_this_world(key: Hashable, make: Callable[[], T]) -> T:
     cache = _derived.setdefault(dist.group.WORLD, {})  # type: ignore[arg-type]  # set once initialised
     if key not in cache:
         cache[key] = make()
-    value: T = cache[key]
-    return value
+    return cast(T, cache[key])
 
 
 def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The (replicas, 1) mesh over a 1-D `mesh`'s ranks: HSDP whose shard group is one rank.
-    A named dim of a larger mesh is built from that whole mesh (see _replicate_only)."""
+    """The (replicas, 1) mesh over a 1-D `mesh`'s ranks: HSDP whose shard group is one rank."""
     root = mesh._get_root_mesh()
     names = mesh.mesh_dim_names
     if root is not mesh and names and set(names) <= set(root.mesh_dim_names or ()):
@@ -235,19 +203,14 @@ def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def post_forward_mesh(mesh: DeviceMesh, group_size: int) -> DeviceMesh:
-    """`mesh`'s ranks in rows of `group_size` consecutive shard ranks: dim 1 is the group a
-    unit reshards to after forward, and gathers in again before backward. Built over
-    `mesh` and every sibling of it in its root mesh, which every rank sees alike (Note
-    [derived meshes])."""
+    """`mesh`'s and its siblings' ranks in rows of `group_size`: dim 1 is the post-forward group."""
     return _in_this_world(("post_forward", mesh, group_size), lambda: DeviceMesh(
         mesh.device_type, sibling_ranks(mesh).reshape(-1, group_size)
     ))
 
 
 def sibling_ranks(mesh: DeviceMesh) -> torch.Tensor:
-    """The ranks of `mesh` and of every mesh sliced from its root like it, as
-    (siblings, *mesh.shape): the same tensor on every rank of the root mesh, whichever
-    sibling a rank is in. A submesh's layout over its root's ranks gives all of them."""
+    """The ranks of `mesh` and of its siblings in its root, as (siblings, *mesh.shape)."""
     full: torch.Tensor = mesh._layout.remap_to_tensor(mesh._rank_map)
     return full.reshape(-1, *mesh.shape)
 
@@ -255,8 +218,7 @@ def sibling_ranks(mesh: DeviceMesh) -> torch.Tensor:
 def resolve_reshard_after_forward(
     value: bool | int | None, mesh: DeviceMesh
 ) -> tuple[bool | None, DeviceMesh | None]:
-    """(reshard after forward?, the smaller post-forward mesh if any) for a checked value.
-    An int of 1 keeps everything unsharded (False); the shard size itself is True."""
+    """(reshard after forward?, the post-forward mesh if any) for a checked value."""
     if value is None or isinstance(value, bool):
         return value, None
     if value == 1:
@@ -271,12 +233,9 @@ def resolve_reshard_after_forward(
 
 
 def separate_group(group: ProcessGroup) -> ProcessGroup:
-    """A second process group over `group`'s ranks (one per rank set), created once; a
-    collective among those ranks the first time."""
+    """A second process group over `group`'s ranks, created once (a collective among them)."""
     ranks = dist.get_process_group_ranks(group)
-
-    def make() -> ProcessGroup:
-        made: ProcessGroup = dist.new_group(ranks, use_local_synchronization=True)
-        return made
-
-    return _in_this_world(("separate", tuple(ranks)), make)
+    made: ProcessGroup = _in_this_world(
+        ("separate", tuple(ranks)), lambda: dist.new_group(ranks, use_local_synchronization=True)
+    )
+    return made

@@ -1,12 +1,10 @@
-"""The runtime's one observer slot. While an Observer is set here (StepTrace, while open),
-the runtime tells it when each part issues and waits for its collectives and when each
-unit's backward begins; unset, each such event costs the runtime one None check."""
+"""The runtime's one observer slot. While one is set (StepTrace, while open), the runtime tells
+it when each part issues and waits for its collectives and when each unit's backward begins."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
-# The events, by what the runtime is doing.
 ISSUE_GATHER, WAIT_GATHER = "all-gather", "all-gather wait"
 ISSUE_REDUCE, WAIT_REDUCE = "reduce-scatter", "reduce-scatter wait"
 
@@ -16,8 +14,7 @@ class Observer(Protocol):
         """`part` (a MeshPart) begins `event`."""
 
     def end(self, part: object, event: str, nbytes: int = 0) -> None:
-        """`part` ended `event`; an issue says how many bytes its collective moves (0: it
-        had nothing to send)."""
+        """`part` ended `event`; an issue says how many bytes it sends (0: nothing)."""
 
     def backward_began(self, state: object) -> None:
         """A unit's (UnitState's) backward began: its parameters are gathered."""
@@ -27,6 +24,5 @@ current: Observer | None = None
 
 
 def observe(observer: Observer | None) -> None:
-    """Set (or, with None, clear) the observer."""
     global current
     current = observer

@@ -1,29 +1,5 @@
-"""On an accelerator: the streams units gather and reduce on, beside the one that computes.
-
-Forward, backward and the optimizer run on the current ("compute") stream. A collective
-issued there would wait for every kernel queued before it; the CPU runs ahead of the
-device, so the next unit's all-gather would wait for this unit's compute. On their own
-streams, the all-gather waits only for what it reads and the reduce-scatter (with HSDP's
-all-reduce after it) only for the gradients: both overlap compute. Events order the
-streams, and memory is reused safely without Tensor.record_stream, by two rules that make
-every reuse of a block wait for its last use:
-
-- The gathered buffer, allocated on the all-gather stream, is freed once its copy-out is
-  queued on the compute stream; before it allocates again, the all-gather stream waits
-  for the latest copy-out (`gathering`). Inputs the compute stream allocated (pieces kept
-  after forward) stay referenced until the compute stream waited for the gather.
-- The reduce-scatter's input, allocated on the compute stream, is freed only after the
-  compute stream waited for the reduction. The reduce-scatter stream waits for the compute
-  stream before each reduction (`reducing`), so its output (a `.grad`, freed later on the
-  compute stream) is reused only once the compute stream is done with it. HSDP's partial
-  sums (kept without an all-reduce) are added to the next reduction on that stream too.
-
-What the all-gather reads is written on the compute stream: the sharded parameters (by the
-optimizer, or a checkpoint load), a unit's shards laid out anew, the pieces kept after
-forward. The all-gather stream waits for the compute stream (`follow_compute`) at each
-iteration's first forward, at an explicit unshard, and before gathering shards laid out
-anew or kept pieces.
-"""
+"""On an accelerator: the streams units gather and reduce on, beside the one that computes,
+so that collectives overlap compute (Note [side streams])."""
 
 from __future__ import annotations
 
@@ -34,10 +10,25 @@ from typing import Protocol, cast
 
 import torch
 
+# Note [side streams]: on the compute stream a collective would wait for every kernel queued
+# before it; on its own stream the all-gather waits only for what it reads, and the
+# reduce-scatter only for the gradients. Events order the streams, and memory is reused
+# without Tensor.record_stream, as every reuse of a block waits for its last use:
+# - The gathered buffer (allocated on the all-gather stream) is freed once its copy-out is
+#   queued on the compute stream; the all-gather stream waits for the latest copy-out before
+#   it allocates again (`gathering`). Inputs the compute stream allocated (pieces kept after
+#   forward) stay referenced until the compute stream waited for the gather.
+# - The reduce-scatter's input (allocated on the compute stream) is freed only after the
+#   compute stream waited for the reduction. The reduce-scatter stream waits for the compute
+#   stream before each reduction (`reducing`), so its output (a `.grad`, freed later on the
+#   compute stream) is reused only once the compute stream is done with it. HSDP's partial
+#   sums are added on that stream too.
+# - The compute stream writes what the all-gather reads (sharded parameters, new layouts,
+#   kept pieces), so the all-gather stream waits for it (`follow_compute`) at each
+#   iteration's first forward, at an explicit unshard, and before gathering those.
 
-class _DeviceModule(Protocol):
-    """What we use of a device's module (torch.cuda, torch.xpu, ...)."""
 
+class _DeviceModule(Protocol):  # what we use of torch.cuda, torch.xpu, ...
     def Stream(self, device: torch.device, priority: int = 0) -> torch.Stream: ...
 
     def current_stream(self, device: torch.device) -> torch.Stream: ...
@@ -60,8 +51,7 @@ class SideStreams:
         return self._module.current_stream(self.device)
 
     def follow_compute(self, event: torch.Event | None = None) -> None:
-        """Gathers from now on see what the compute stream wrote so far (or, with `event`,
-        until the event: torch's post-optimizer event)."""
+        """Gathers from now on see what the compute stream wrote so far (or before `event`)."""
         if event is None:
             self.all_gather.wait_stream(self._current())
         else:
@@ -76,7 +66,7 @@ class SideStreams:
             yield
 
     def gathered(self) -> torch.Event:
-        """An event for the gather just issued; its `wait()` orders the compute stream after it."""
+        """An event for the gather just issued, for the compute stream to wait for."""
         return self.all_gather.record_event()
 
     def copied_out(self) -> None:
@@ -95,8 +85,7 @@ class SideStreams:
 
     @contextmanager
     def detour(self, stream: torch.Stream) -> Iterator[None]:
-        """`stream` (a user's, for an all-reduce hook), current, after what the
-        reduce-scatter stream queued; the reduce-scatter stream then waits for it."""
+        """`stream` (a user's all-reduce hook's), current, between reduce-scatter stream work."""
         stream.wait_stream(self.reduce_scatter)
         with self._module.stream(stream):
             yield
@@ -105,8 +94,7 @@ class SideStreams:
 
 @functools.cache  # one pair of streams per device, shared by every unit on it
 def side_streams(device: torch.device) -> SideStreams | None:
-    """The side streams for `device`; None on the CPU (gloo's work handles run async there)
-    and on devices without streams."""
+    """The side streams for `device`; None on the CPU and on devices without streams."""
     if device.type in ("cpu", "meta") or not hasattr(torch.get_device_module(device), "Stream"):
         return None
     return SideStreams(device)

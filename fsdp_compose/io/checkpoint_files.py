@@ -1,15 +1,15 @@
-"""A sharded checkpoint's files, checked before anything is loaded: its metadata read with
-an unpickler that accepts only checkpoint metadata classes, and every data file it names
-present, as long as its byte ranges, and equal to the size and CRC-32 save_checkpoint
-recorded for it. Each rank checks a share of the files; every rank raises the same fault."""
+"""A sharded checkpoint's files, checked before anything is loaded: metadata read with an
+unpickler that accepts only checkpoint metadata, and every data file present, long enough
+and equal to the size and CRC-32 save_checkpoint recorded."""
 
 from __future__ import annotations
 
 import json
 import pickle
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from ..comm.collectives import every_rank, is_first_rank
 
 CHECKSUMS = ".checksums"  # JSON: each data file's size and CRC-32, written by save_checkpoint
+T = TypeVar("T")
 
 
 def read_metadata(reader: MetadataCheckingReader) -> Metadata:
@@ -33,19 +34,14 @@ def read_metadata(reader: MetadataCheckingReader) -> Metadata:
 
 
 def check_files(path: Path, metadata: Metadata) -> None:
-    """Every data file the metadata names: present, as long as its byte ranges, and equal
-    to its recorded CRC-32; each rank checks a share of them, every rank raises the first
-    fault found (by file name)."""
+    """Raise, on every rank, the first fault (by file name) of the data files the metadata
+    names: missing, shorter than its byte ranges, or not the recorded size and CRC-32."""
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     recorded = _recorded_checksums(path)
-    names = sorted(ends)
-    rank, world = _rank_and_world()
-    faults = [_file_fault(path / n, ends[n], recorded.get(n)) for n in names[rank::world]]
-    found = [fault for fault in faults if fault is not None][:1]
-    shares = every_rank(found)
-    first = min((f for share in shares for f in share), key=str, default=None)
+    faults = _shared(sorted(ends), lambda n: _file_fault(path / n, ends[n], recorded.get(n)))
+    first = min((f for f in faults.values() if f is not None), key=str, default=None)
     if first is not None:
         raise first
 
@@ -72,17 +68,20 @@ def _file_fault(file: Path, end: int, recorded: dict[str, int] | None) -> Except
 
 
 def write_checksums(folder: Path) -> None:
-    """Each rank checksums a share of the data files just written; the first rank writes
-    them all to CHECKSUMS."""
+    """Record each data file's size and CRC-32 in CHECKSUMS (written by the first rank)."""
     names = sorted(f.name for f in folder.iterdir() if f.is_file() and not f.name.startswith("."))
-    rank, world = _rank_and_world()
-    mine = {n: {"size": (folder / n).stat().st_size, "crc32": _crc32(folder / n)}
-            for n in names[rank::world]}
-    everything: dict[str, dict[str, int]] = {}
-    for share in every_rank(mine):
-        everything.update(share)
+    sums = _shared(names, lambda n: {"size": (folder / n).stat().st_size, "crc32": _crc32(folder / n)})
     if is_first_rank():
-        (folder / CHECKSUMS).write_text(json.dumps(everything, indent=1, sort_keys=True))
+        (folder / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True))
+
+
+def _shared(names: list[str], work: Callable[[str], T]) -> dict[str, T]:
+    """`work(name)` for every name, each rank doing a share; the same dict on every rank."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    done: dict[str, T] = {}
+    for share in every_rank({name: work(name) for name in names[rank::world]}):
+        done.update(share)
+    return done
 
 
 def _recorded_checksums(path: Path) -> dict[str, dict[str, int]]:
@@ -102,12 +101,6 @@ def _crc32(file: Path) -> int:
         while chunk := stream.read(1 << 23):
             crc = zlib.crc32(chunk, crc)
     return crc
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(), dist.get_world_size()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -131,7 +124,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class MetadataCheckingReader(FileSystemReader):
-    """torch's file reader, with metadata read by `_MetadataUnpickler` (tensor data is read
+    """torch's file reader, reading metadata with `_MetadataUnpickler` (it reads tensor data
     with torch.load(weights_only=True) already)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -139,8 +132,7 @@ class MetadataCheckingReader(FileSystemReader):
             metadata = _MetadataUnpickler(file).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError("load_checkpoint: .metadata holds no checkpoint metadata")
-        storage_meta: StorageMeta | None = getattr(metadata, "storage_meta", None)
-        if storage_meta is None:
-            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
+        metadata.storage_meta = storage_meta
         return metadata

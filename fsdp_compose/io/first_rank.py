@@ -1,12 +1,12 @@
 """What only the first rank can know (it alone touches checkpoint files) and every rank
-must act on: its step's value, or its error raised on every rank alike. Sharing the
-verdict at the same point on every rank is what keeps the others out of a collective the
-first rank will never enter (a hang) when it fails."""
+must act on: its step's value, or its error raised on every rank alike, so that no rank
+waits in a collective the first rank will never enter."""
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
+from contextlib import suppress
 from typing import TypeVar, cast
 
 from ..comm.collectives import broadcast_object
@@ -16,8 +16,7 @@ T = TypeVar("T")
 
 def from_first_rank(step: Callable[[], T] | None) -> T:
     """`step()`, run on the first rank (the only one to pass it), and its value sent to
-    every rank; if it raised, every rank raises that error instead (same type, same
-    message). One object broadcast, at the same point on every rank, whatever happened."""
+    every rank; if it raised, every rank raises that error (same type and message)."""
     value: T | None = None
     error: Exception | None = None
     if step is not None:
@@ -27,28 +26,22 @@ def from_first_rank(step: Callable[[], T] | None) -> T:
             error = raised
     value, shared = broadcast_object((value, _portable(error)))
     if shared is None:
-        return cast(T, value)  # the first rank's step returned a T
+        return cast(T, value)
     if shared is error:
         raise error
     raise shared from error  # on the first rank, from its original error
 
 
 def _portable(error: Exception | None) -> Exception | None:
-    """`error` as the other ranks can raise it: itself if it is a built-in exception that
-    pickles, else a RuntimeError with its class and message (its class may not unpickle)."""
+    """`error` if it is a built-in exception that pickles, else a RuntimeError with its class
+    and message (its class may not unpickle on the other ranks)."""
     if error is None:
         return None
-    if type(error).__module__ == "builtins" and _pickles(error):
-        return error
+    if type(error).__module__ == "builtins":
+        with suppress(Exception):  # one that does not round-trip goes as class and message
+            pickle.loads(pickle.dumps(error))
+            return error
     return RuntimeError(f"{type(error).__name__}: {error}")
-
-
-def _pickles(error: Exception) -> bool:
-    try:
-        pickle.loads(pickle.dumps(error))
-    except Exception:  # any failure to round-trip: send its class and message instead
-        return False
-    return True
 
 
 def file_error(what: str, error: OSError) -> OSError:

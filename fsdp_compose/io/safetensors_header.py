@@ -1,12 +1,6 @@
 """The safetensors layout as whole checkpoints use it: dtype codes, file names, and a
-checkpoint's headers, checked against its index and its bytes before any tensor is read.
-
-A file is an 8-byte little-endian header size, a JSON header naming each tensor's dtype,
-shape and byte range (`data_offsets`, relative to the end of the header), and the bytes.
-Each check of a file is one the safetensors package makes too (its load_file refuses a
-file that fails it), but of the format's dtypes only those in CODES are accepted. A file
-cut short at a tensor boundary shows only in its size, which its header must account for.
-"""
+checkpoint's headers, checked against its index and its bytes (as the safetensors package
+checks them) before any tensor is read."""
 
 from __future__ import annotations
 
@@ -42,9 +36,9 @@ class Saved(NamedTuple):
 
 def read_headers(path: Path) -> dict[str, Saved]:
     """Every tensor of the checkpoint at `path` (a file, or a directory holding
-    `model.safetensors` or an index and its files), by name. Raises FileNotFoundError for
-    a missing file and ValueError naming the file and its fault for one whose header does
-    not describe its bytes exactly, or an index that does not describe its files."""
+    `model.safetensors` or an index and its files), by name. FileNotFoundError for a
+    missing file; ValueError naming the file for a header or index that does not describe
+    its bytes or files exactly."""
     files, weight_map = _checkpoint_files(path)
     saved: dict[str, Saved] = {}
     for file in files:
@@ -58,7 +52,6 @@ def read_headers(path: Path) -> dict[str, Saved]:
 
 
 def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The files of the checkpoint at `path`, and its index's weight map if it has one."""
     if not path.exists():
         raise FileNotFoundError(f"load_full_state_dict: {path} does not exist.")
     if not path.is_dir():
@@ -66,24 +59,21 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     index = path / INDEX_FILE
     if not index.exists():
         if not (path / SINGLE_FILE).exists():
-            raise FileNotFoundError(
-                f"load_full_state_dict: {path} holds neither {SINGLE_FILE} nor {INDEX_FILE}."
-            )
+            raise FileNotFoundError(f"load_full_state_dict: {path} holds neither {SINGLE_FILE} "
+                                    f"nor {INDEX_FILE}.")
         return [path / SINGLE_FILE], None
     weight_map = _read_index(index)
     files = sorted({path / name for name in weight_map.values()})
     for file in files:
         if not file.is_file():
-            raise FileNotFoundError(
-                f"load_full_state_dict: {index} names {file.name}, but {file} does not exist."
-            )
+            raise FileNotFoundError(f"load_full_state_dict: {index} names {file.name}, but {file} "
+                                    "does not exist.")
     return files, weight_map
 
 
 def _read_index(index: Path) -> dict[str, str]:
     try:
-        # Bytes, not text: JSON's own encoding detection, and a UnicodeDecodeError (a
-        # ValueError) rather than a crash on a damaged file.
+        # Bytes: a damaged file raises UnicodeDecodeError, a ValueError.
         parsed = json.loads(index.read_bytes())
     except ValueError as error:
         raise _unreadable(index, f"it is not JSON ({error})") from None
@@ -92,14 +82,12 @@ def _read_index(index: Path) -> dict[str, str]:
         isinstance(name, str) and isinstance(file, str) and _is_plain_name(file)
         for name, file in weight_map.items()
     ):
-        raise _unreadable(
-            index, 'it has no "weight_map" object mapping tensor names to file names beside it'
-        )
+        raise _unreadable(index, 'it has no "weight_map" object mapping tensor names to file '
+                          'names beside it')
     return weight_map
 
 
 def _is_plain_name(file: str) -> bool:
-    """Whether `file` names a file beside the index (no folder, nothing above it)."""
     return file not in ("", "..") and Path(file).name == file
 
 
@@ -114,26 +102,21 @@ def _check_index(index: Path, weight_map: dict[str, str], saved: dict[str, Saved
 
 
 def _read_header(file: Path) -> dict[str, Saved]:
-    """The tensors `file`'s header describes, once checked against the file's size."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
-            raise _unreadable(
-                file, f"it is {size} bytes long, shorter than the 8-byte header size that starts "
-                "a safetensors file"
-            )
+            raise _unreadable(file, f"it is {size} bytes long, shorter than the 8-byte header "
+                              "size that starts a safetensors file")
         (header_size,) = struct.unpack("<Q", prefix)
         if header_size > size - 8:
-            raise _unreadable(
-                file, f"its header size ({header_size} bytes) runs past the end of the file ({size} bytes)"
-            )
+            raise _unreadable(file, f"its header size ({header_size} bytes) runs past the end "
+                              f"of the file ({size} bytes)")
         if header_size > _MAX_HEADER:
             raise _unreadable(file, f"its header size ({header_size} bytes) is over safetensors' limit")
         header = _parse_header(file, f.read(header_size))
-    ranges = {
-        name: _byte_range(file, name, info) for name, info in header.items() if name != "__metadata__"
-    }
+    ranges = {name: _byte_range(file, name, info) for name, info in header.items()
+              if name != "__metadata__"}
     _check_layout(file, ranges, size - 8 - header_size)
     start = 8 + header_size
     return {
@@ -159,7 +142,7 @@ def _parse_header(file: Path, raw: bytes) -> dict[str, Any]:
 
 
 def _byte_range(file: Path, name: str, info: object) -> tuple[int, int]:
-    """Where tensor `name` is in the data, after checking that its dtype and shape fill it."""
+    """Where tensor `name` is in the data, once its dtype and shape are checked to fill it."""
     keys = ("dtype", "shape", "data_offsets")
     if not isinstance(info, dict) or any(key not in info for key in keys):
         raise _unreadable(file, f"tensor {name!r} is {info!r}, not an object with keys {list(keys)}")
@@ -172,36 +155,30 @@ def _byte_range(file: Path, name: str, info: object) -> tuple[int, int]:
         raise _unreadable(file, f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end]")
     nbytes = math.prod(shape) * DTYPES[dtype].itemsize
     if offsets[1] - offsets[0] != nbytes:
-        raise _unreadable(
-            file, f"tensor {name!r} of shape {shape} and dtype {dtype} takes {nbytes} bytes, "
-            f"but its data_offsets {offsets} hold {offsets[1] - offsets[0]}"
-        )
+        raise _unreadable(file, f"tensor {name!r} of shape {shape} and dtype {dtype} takes "
+                          f"{nbytes} bytes, but its data_offsets {offsets} hold {offsets[1] - offsets[0]}")
     return offsets[0], offsets[1]
 
 
 def _sizes(value: object) -> bool:
     return isinstance(value, list) and all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value
-    )
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
 
 
 def _check_layout(file: Path, ranges: dict[str, tuple[int, int]], data_size: int) -> None:
-    """The tensors' byte ranges tile the data exactly: from 0, without gaps or overlaps,
-    up to the end of the file (a file cut short at a tensor boundary fails only here)."""
+    """The byte ranges tile the data exactly (a file cut short at a tensor boundary fails
+    only here)."""
     end, previous = 0, None
     for name, (begin, stop) in sorted(ranges.items(), key=lambda item: item[1]):
         if begin > end:
             raise _unreadable(file, f"bytes {end}..{begin} of its data belong to no tensor")
         if begin < end:
-            raise _unreadable(
-                file, f"tensors {previous!r} and {name!r} overlap (bytes {begin}..{end} of its data)"
-            )
+            raise _unreadable(file, f"tensors {previous!r} and {name!r} overlap (bytes "
+                              f"{begin}..{end} of its data)")
         end, previous = stop, name
     if end > data_size:
-        raise _unreadable(
-            file, f"its header describes {end - data_size} bytes more than the file holds: "
-            "it was cut short"
-        )
+        raise _unreadable(file, f"its header describes {end - data_size} bytes more than the "
+                          "file holds: it was cut short")
     if end < data_size:
         raise _unreadable(file, f"its last {data_size - end} bytes belong to no tensor")
 

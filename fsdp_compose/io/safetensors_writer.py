@@ -23,20 +23,18 @@ Entries = list[tuple[str, torch.dtype, tuple[int, ...]]]
 
 
 def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    """The size of a whole tensor's data."""
     return torch.Size(shape).numel() * dtype.itemsize
 
 
 def plan_files(path: Path, entries: Entries, max_shard_size: int) -> list[tuple[Path, Entries]]:
-    """The files to write and the entries of each, in state-dict order: one file when
-    `path` names one or everything fits `max_shard_size`, else as many as it takes."""
+    """The files to write and their entries, in state-dict order: one file when `path` names
+    one or everything fits `max_shard_size`, else as many as it takes."""
     if path.suffix == ".safetensors":
         return [(path, entries)]
     groups: list[Entries] = [[]]
     size = 0
     for entry in entries:
-        _, dtype, shape = entry
-        tensor_bytes = nbytes(dtype, shape)
+        tensor_bytes = nbytes(*entry[1:])
         if size and size + tensor_bytes > max_shard_size:
             groups.append([])
             size = 0
@@ -49,8 +47,7 @@ def plan_files(path: Path, entries: Entries, max_shard_size: int) -> list[tuple[
 
 
 class _Writer:
-    """One safetensors file, written as its tensors arrive (in header order), under a
-    staging name until the whole checkpoint is written."""
+    """One safetensors file, written under its staging name as its tensors arrive."""
 
     def __init__(self, path: Path, entries: Entries) -> None:
         self.path = path
@@ -67,16 +64,15 @@ class _Writer:
         self.file.write(struct.pack("<Q", len(encoded)) + encoded)
 
     def write(self, tensor: torch.Tensor) -> None:
-        # The tensor's own bytes, through the buffer protocol: no copy of them on the CPU
-        # (only the writing rank brings a tensor there).
+        # Through the buffer protocol: no copy of the bytes beyond the one on the CPU.
         self.file.write(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 class Saving:
     """The first rank's side of a save: its files written one after another under staging
     names, renamed once all are written. A failure removes the staging files and raises an
-    OSError naming the file; one while tensors stream in is held until the file's last
-    tensor (the other ranks are gathering them), then raised by `next_file`."""
+    OSError naming the file; one while tensors stream in waits for the file's last tensor
+    (the other ranks are gathering them) and `next_file` raises it."""
 
     def __init__(self, path: Path, files: list[tuple[Path, Entries]]) -> None:
         self._path = path
@@ -85,35 +81,28 @@ class Saving:
         self._failed: Exception | None = None
 
     def start(self) -> None:
-        """Check where the files go, and open the first."""
-        first = self._files[0][0]
         _check_target([file for file, _ in self._files])
-        with self._failing(first):
-            first.parent.mkdir(parents=True, exist_ok=True)
-            self._writers.append(_Writer(*self._files[0]))
+        self._open_next()
 
     def write(self, tensor: torch.Tensor) -> None:
         if self._failed is not None:
             return  # the rest of this file's tensors, gathered for nothing
-        writer = self._writers[-1]
         try:
-            with self._failing(writer.path):
-                writer.write(tensor)
+            with self._failing(self._writers[-1].path):
+                self._writers[-1].write(tensor)
         except Exception as error:
             self._failed = error
 
     def next_file(self) -> None:
-        """Close the file just written; open the next or, after the last, give every file
-        its name and write the index."""
+        """Close the file just written; open the next or, after the last, rename every file
+        and write the index."""
         if self._failed is not None:
             raise self._failed
         done = self._writers[-1]
         with self._failing(done.path):
             done.file.close()
         if len(self._writers) < len(self._files):
-            upcoming = self._files[len(self._writers)]
-            with self._failing(upcoming[0]):
-                self._writers.append(_Writer(*upcoming))
+            self._open_next()
             return
         for writer in self._writers:
             with self._failing(writer.path):
@@ -126,16 +115,20 @@ class Saving:
     def discard(self) -> None:
         """Remove the staging files (a full disk gets its space back); keep the others."""
         for writer in self._writers:
-            # Closing flushes what is buffered, which may fail again (a full disk): the
-            # file is closed all the same.
-            with suppress(OSError):
+            with suppress(OSError):  # closing flushes, which may fail again: closed all the same
                 writer.file.close()
             writer.staging.unlink(missing_ok=True)
         self._writers = []
 
+    def _open_next(self) -> None:
+        file, entries = self._files[len(self._writers)]
+        with self._failing(file):
+            file.parent.mkdir(parents=True, exist_ok=True)
+            self._writers.append(_Writer(file, entries))
+
     @contextmanager
     def _failing(self, file: Path) -> Iterator[None]:
-        """Around a step that writes `file`: on failure, discard and raise naming `file`."""
+        """On failure, discard and raise naming `file`."""
         try:
             yield
         except Exception as error:
@@ -155,14 +148,12 @@ def _check_target(files: list[Path]) -> None:
                 "Remove it, or pass a path without .safetensors to save into it."
             )
     folder = files[0].parent
-    for above in (folder, *folder.parents):
-        if above.exists():
-            if not above.is_dir():
-                raise NotADirectoryError(
-                    errno.ENOTDIR, f"save_full_state_dict: cannot write {files[0]}: {above} is "
-                    "a file, not a directory."
-                )
-            break
+    above = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise NotADirectoryError(
+            errno.ENOTDIR, f"save_full_state_dict: cannot write {files[0]}: {above} is a file, "
+            "not a directory."
+        )
 
 
 def _write_index(path: Path, files: list[tuple[Path, Entries]]) -> None:

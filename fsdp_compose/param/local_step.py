@@ -1,20 +1,14 @@
 """The optimizer step on local shards: torch's elementwise optimizers (SGD, Adam, AdamW and
-the like) step on sharded parameters' local tensors, as plain tensors, so a step costs what
-it costs without DTensor's dispatch, bit for bit the same arithmetic.
+the like) step on the sharded parameters' local tensors, as plain tensors: the same
+arithmetic, bit for bit, without DTensor's dispatch.
 
-Outside `step()` nothing changes: param groups hold the sharded DTensor parameters, and
-`optimizer.state` holds DTensors for their per-element state, so state_dict(), DCP,
-clip_grad_norm_, LR schedulers, GradScaler and user code see what they see today. During a
-step the optimizer holds, instead, each parameter's local tensor (its `.grad` the local
-tensor of the DTensor gradient) and a state dict keyed by them, of the same tensors' local
-parts: an in-place update of one is an update of the other.
-
-Only optimizers of exactly these classes, whose every update is per element, step this way
-(an optimizer that reads a parameter's global shape, as Shampoo or Muon do, must see the
-DTensor), and only once they hold a sharded parameter: from their second step, when the
-first (on DTensors, as always) has created their state. The swap is an instance attribute
-`step` wrapping the class's (exceptions restore the DTensors); the optimizer's own step
-hooks run inside it and see the local tensors.
+Outside `step()` nothing changes: param groups hold the DTensor parameters and
+`optimizer.state` DTensors (state_dict(), DCP, clip_grad_norm_, LR schedulers and GradScaler
+see what they always see). During the step the optimizer holds each parameter's local tensor
+(its `.grad` the DTensor gradient's local tensor) and state of the same tensors' local parts.
+Only these exact classes (an optimizer that reads global shapes, as Shampoo or Muon do, must
+see DTensors), from their second step (the first creates their state), through an instance
+`step` wrapping the class's; the optimizer's own step hooks run inside it.
 """
 
 from __future__ import annotations
@@ -35,10 +29,9 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
     torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
 )
-# The id of every sharded parameter fully_shard makes. Not an attribute: swap_tensors (as
-# module.to_empty() on a meta model calls it) swaps __dict__s; not a weak reference:
-# swap_tensors refuses a tensor one points to. An id outliving its parameter can only
-# mark another tensor whose optimizer then steps on local tensors: the same arithmetic.
+# The id of every sharded parameter fully_shard makes: not an attribute (swap_tensors, as
+# module.to_empty() calls it, swaps __dict__s) nor a weak reference (swap_tensors refuses
+# those). A stale id can only make another tensor's optimizer step locally: same arithmetic.
 SHARDED_IDS: set[int] = set()
 _SEEN = "_fsdp_compose_local_step"  # in an optimizer's __dict__: it steps its own way
 

@@ -15,16 +15,12 @@ from torch.utils._pytree import tree_map_only
 class MixedPrecisionPolicy:
     """Dtypes of a unit's unsharded parameters, gradient reduction and outputs.
 
-    `param_dtype`: dtype of the unsharded parameters (all-gather and compute); None keeps
-    the original. `reduce_dtype`: dtype of the gradient reduction; None follows what the
-    running torch's fully_shard does: `param_dtype` on older torch, the parameter's own
-    dtype on newer (see comm/compat.py).
-    `output_dtype`: cast floating-point outputs to it; None leaves them.
-    `cast_forward_inputs`: cast floating-point forward inputs to `param_dtype`.
-    `param_dtype_override_fn(param)` (newer torch's; ours on every torch): called once per
-    parameter at fully_shard; None or `param_dtype` keeps the default, the parameter's own
-    dtype keeps that parameter in it. It must answer alike on every rank.
-    """
+    `param_dtype`: of the unsharded parameters (all-gather and compute); None: the original.
+    `reduce_dtype`: of the gradient reduction; None: as the running torch's fully_shard does.
+    `output_dtype`: floating-point outputs are cast to it. `cast_forward_inputs`: floating-point
+    inputs are cast to `param_dtype`. `param_dtype_override_fn(param)` (ours on every torch):
+    called once per parameter, alike on every rank; None or `param_dtype` keeps the default,
+    the parameter's own dtype keeps the parameter in it."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -45,8 +41,7 @@ class MixedPrecisionPolicy:
                 f"({param.dtype}); it must return None, param_dtype ({self.param_dtype}) or "
                 "the parameter's own dtype."
             )
-        param_dtype = self.param_dtype if override is None else override
-        return replace(self, param_dtype=param_dtype, param_dtype_override_fn=None)
+        return replace(self, param_dtype=override or self.param_dtype, param_dtype_override_fn=None)
 
 
 @dataclass(frozen=True)
@@ -57,17 +52,13 @@ class OffloadPolicy:
 @dataclass(frozen=True)
 class CPUOffloadPolicy(OffloadPolicy):
     """Keep sharded parameters and gradients in CPU memory; the optimizer steps on CPU.
-
-    `pin_memory`: pin the CPU copies so host-device copies can overlap with compute.
-    """
+    `pin_memory`: pin them so host-device copies can overlap with compute."""
 
     pin_memory: bool = True
 
 
 def adopt_policy(policy: Any) -> Any:
-    """`policy` as ours: one of torch's fully_shard policies (from code that imported torch's
-    classes before replace_torch_fsdp, or that mixes the two) field for field; anything
-    else as it is, for fully_shard's checks to refuse."""
+    """`policy` as ours if it is one of torch's fully_shard policies, else as it is."""
     ours = _OURS_BY_NAME.get(type(policy).__name__)
     if ours is None or isinstance(policy, ours) or not is_dataclass(policy):
         return policy
@@ -80,7 +71,6 @@ _OURS_BY_NAME: dict[str, type] = {
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """`tree` with its floating-point tensors cast to `dtype` (cast_forward_inputs, output_dtype)."""
     return tree_map_only(
         torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree
     )

@@ -1,6 +1,5 @@
 """Tensors fully_shard no longer uses: the parameters it replaced, and tensors assigned over
-sharded parameters (whose values it copies in, with a warning). Each is marked with why, and
-an optimizer holding one is refused at its first step: its update would be lost."""
+sharded parameters (copied in, with a warning). An optimizer holding one is refused."""
 
 from __future__ import annotations
 
@@ -14,38 +13,28 @@ _REPLACED_MARK = "_fsdp_compose_replaced"
 
 
 def mark_replaced(name: str, replaced: Iterable[tuple[str, nn.Parameter]]) -> None:
-    """After a successful fully_shard(`name`): remember the parameters (fqn, parameter) it
-    replaced by sharded ones."""
+    """Mark the parameters (fqn, parameter) that fully_shard(`name`) replaced."""
     for fqn, param in replaced:
-        setattr(
-            param, _REPLACED_MARK,
-            f"parameter {fqn!r} of {name} as it was before fully_shard, which replaced it by "
-            "a sharded DTensor",
-        )
+        setattr(param, _REPLACED_MARK, f"parameter {fqn!r} of {name} as it was before "
+                "fully_shard, which replaced it by a sharded DTensor")
 
 
 def warn_copied(fqn: str, replacement: torch.Tensor) -> None:
-    """A whole tensor replaced parameter `fqn` after fully_shard, and its values were copied
-    into the sharded parameter: say so, and mark the tensor (every optimizer's first step is
-    checked: param/local_step.py)."""
-    setattr(
-        replacement, _REPLACED_MARK,
-        f"the tensor assigned to parameter {fqn!r} after fully_shard, whose values were "
-        "copied into the sharded parameter the model keeps",
-    )
+    """Warn that `replacement` was copied into sharded parameter `fqn`, and mark it."""
+    setattr(replacement, _REPLACED_MARK, f"the tensor assigned to parameter {fqn!r} after "
+            "fully_shard, whose values were copied into the sharded parameter the model keeps")
     warnings.warn(
         f"fsdp_compose: parameter {fqn!r} was replaced after fully_shard by a new tensor. Its "
-        "values were copied into the model's sharded parameter (the object that "
-        "model.parameters() and optimizers built before return), which trains on; the new "
-        "object is not part of the model. To avoid this warning, change the parameter in "
-        "place (with torch.no_grad(): param.copy_(value)) or replace it before fully_shard.",
+        "values were copied into the model's sharded parameter (the object that model."
+        "parameters() and optimizers built before return), which trains on; the new object is "
+        "not part of the model. To avoid this warning, change the parameter in place (with "
+        "torch.no_grad(): param.copy_(value)) or replace it before fully_shard.",
         stacklevel=2,
     )
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer that holds a marked tensor (param/local_step.py asks at its first
-    step)."""
+    """Refuse an optimizer that holds a marked tensor (at its first step)."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             if (where := getattr(param, _REPLACED_MARK, None)) is not None:

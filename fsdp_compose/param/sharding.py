@@ -1,5 +1,4 @@
-"""Pure shape math for sharding on one dim: torch.chunk ranges and the padded communication
-layout."""
+"""Pure shape math for sharding on one dim: torch.chunk ranges and the padded layout."""
 
 from __future__ import annotations
 
@@ -16,15 +15,8 @@ def chunk_range(dim0: int, shard_size: int, rank: int) -> range:
 
 
 class ShardLayout(NamedTuple):
-    """How one parameter is cut into `shard_size` shards on `dim` and padded for
-    communication.
-
-    On dim 0 every rank's shard is padded to `padded_rows` rows, so an all-gather of the
-    padded shards, read rank after rank, is the parameter followed by padding rows. On
-    another dim (split evenly: see check_shard_dims) every shard is a contiguous tensor of
-    `padded_rows` indices on `dim`; the gathered shards, rank after rank, are the parameter
-    seen through `rank_first`, which the copy-out and the reduce-scatter's input go through.
-    """
+    """One parameter cut into `shard_size` shards on `dim`, each padded to `padded_rows`: in
+    rank order, the parameter then padding (dim 0) or the parameter through `rank_first`."""
 
     shape: torch.Size  # the unsharded parameter's shape
     shard_size: int
@@ -45,21 +37,18 @@ class ShardLayout(NamedTuple):
         return chunk_range(self.shape[self.dim], self.shard_size, rank)
 
     def local_shape(self, rank: int) -> torch.Size:
-        shape = list(self.shape)
-        shape[self.dim] = len(self.chunk(rank))
-        return torch.Size(shape)
+        shape, dim = self.shape, self.dim
+        return torch.Size((*shape[:dim], len(self.chunk(rank)), *shape[dim + 1 :]))
 
     def rank_first(self, whole: torch.Tensor) -> torch.Tensor:
-        """A view of `whole` (the parameter's shape) chunked on dim 0 as this layout chunks
-        it on `dim`: itself on dim 0, else (shard_size, *shard shape), strided."""
+        """`whole` (the parameter's shape) as a (shard_size, *shard shape) view; dim 0: itself."""
         if self.dim == 0:
             return whole
         split: torch.Tensor = whole.unflatten(self.dim, (self.shard_size, self.padded_rows))
         return split.movedim(self.dim, 0)
 
     def rank_rows(self, flat: torch.Tensor) -> torch.Tensor:
-        """Where an all-gather's rows land in the flat unsharded data (the parameter, then
-        padding): (shard_size, padded_shard_numel) on dim 0, else rank_first of it."""
+        """Where an all-gather's rows land in `flat` unsharded data (dim 0: a 2-D view)."""
         if self.dim == 0:
             return flat[: self.shard_size * self.padded_shard_numel].view(self.shard_size, -1)
         return self.rank_first(flat[: self.numel].view(self.shape))
@@ -68,16 +57,12 @@ class ShardLayout(NamedTuple):
 def shard_layout(shape: torch.Size, shard_size: int, dim: int = 0) -> ShardLayout:
     """The layout of a parameter of `shape` (at least 1-D) sharded `shard_size` ways on `dim`."""
     return ShardLayout(
-        shape=torch.Size(shape),
-        shard_size=shard_size,
-        dim=dim,
-        padded_rows=-(-shape[dim] // shard_size),
+        torch.Size(shape), shard_size, dim, padded_rows=-(-shape[dim] // shard_size),
         row_numel=math.prod(shape[:dim]) * math.prod(shape[dim + 1 :]),
     )
 
 
 def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    """The stride of a contiguous tensor of `shape`."""
     stride, step = [], 1
     for size in reversed(shape):
         stride.append(step)

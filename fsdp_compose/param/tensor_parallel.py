@@ -3,27 +3,24 @@ data-parallel mesh as its local tensor."""
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import (
-    Placement,
-    Replicate,
-    Shard,
-    _StridedShard,
-)
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
 from ..comm.meshes import SpmdDims
 
-# Note [tensor parallel]: a parameter that tensor parallelism made a DTensor on a TP mesh
-# is sharded here as its local tensor: rows of the TP-local tensor over the data-parallel
-# mesh (or slices on the dim shard_placement_fn names). Unsharded, it is the TP DTensor again (the all-gather rebuilds its local tensor);
-# sharded, a DTensor on the concatenated (dp..., tp) mesh. When TP also shards that dim,
-# each dp shard holds slices of a TP shard, a layout DTensor names _StridedShard(dim,
-# split_factor=TP shards), as torch's fully_shard does.
+# Note [tensor parallel]: a parameter that tensor parallelism made a DTensor on a TP mesh is
+# sharded as its local tensor over the data-parallel mesh. Unsharded, it is the TP DTensor
+# again; sharded, a DTensor on the concatenated (dp..., tp) mesh. When TP also shards that
+# dim, each dp shard holds slices of a TP shard: _StridedShard(dim, split_factor=TP shards),
+# as torch's fully_shard writes it.
+
+_Spec = tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]
 
 
 class TensorParallel(NamedTuple):
@@ -31,8 +28,7 @@ class TensorParallel(NamedTuple):
     placements: tuple[Placement, ...]
     shape: torch.Size
     stride: tuple[int, ...]
-    # With dp_mesh_dims: `mesh` is the full SPMD mesh, whose data-parallel dims we shard
-    # and reduce over (the parameter is replicated there).
+    # With dp_mesh_dims: `mesh` is the full SPMD mesh, whose data-parallel dims we shard over.
     spmd: SpmdDims | None = None
 
     @classmethod
@@ -40,26 +36,20 @@ class TensorParallel(NamedTuple):
         return cls(param.device_mesh, tuple(param.placements), param.shape, param.stride(), spmd)
 
     def local(self, tensor: DTensor) -> torch.Tensor:
-        """The local tensor of `tensor` in our placements (a gradient may come Partial). On
-        an SPMD mesh the data-parallel dims stay as they come: a partial sum there is what
-        the reduction sums."""
+        """The local tensor of `tensor` in our placements (a gradient may come Partial)."""
         target = self.placements
-        if self.spmd is not None:
+        if self.spmd is not None:  # keep partial sums over data-parallel dims: we reduce them
             dp = self.spmd.data_parallel
-            target = tuple(
-                tensor.placements[i] if i in dp else p for i, p in enumerate(self.placements)
-            )
+            target = tuple(tensor.placements[i] if i in dp else p for i, p in enumerate(target))
         if tuple(tensor.placements) != target:
             tensor = tensor.redistribute(self.mesh, target)
         return tensor.to_local().detach()
 
     def slice(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's TP-local part of a whole tensor."""
-        local_shape, offsets = compute_local_shape_and_global_offset(
-            self.shape, self.mesh, self.placements
-        )
-        index = tuple(slice(o, o + n) for o, n in zip(offsets, local_shape))
-        return whole[index]
+        mesh, placements = self.mesh, self.placements
+        shape, offsets = compute_local_shape_and_global_offset(self.shape, mesh, placements)
+        return whole[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
 
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(
@@ -68,27 +58,20 @@ class TensorParallel(NamedTuple):
 
     def sharded_spec(
         self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...], dim: int
-    ) -> tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]:
-        """The sharded parameter's DTensor spec when the data-parallel mesh shards the
-        TP-local tensor on `dim`."""
+    ) -> _Spec:
+        """The sharded parameter's spec when `dp_mesh` shards the TP-local tensor on `dim`."""
         if self.spmd is not None:
             return self._spmd_sharded_spec(dim)
-        tp_shards = 1
-        for size, placement in zip(self.mesh.shape, self.placements):
-            if placement.is_shard(dim):
-                tp_shards *= size
+        shards = zip(self.mesh.shape, self.placements)
+        tp_shards = math.prod(size for size, placement in shards if placement.is_shard(dim))
         if tp_shards > 1:
             dp_placements = (*dp_placements[:-1], _StridedShard(dim, split_factor=tp_shards))
         mesh = DeviceMesh._concatenate([dp_mesh, self.mesh])
         return mesh, (*dp_placements, *self.placements), self.shape, self.stride
 
-    def _spmd_sharded_spec(
-        self, dim: int
-    ) -> tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]:
-        """On the full SPMD mesh: the shard dim's Replicate becomes Shard(dim), or
-        _StridedShard(dim) when mesh dims after it also shard `dim` (it holds slices of
-        their shards), as torch's fully_shard writes it; every other dim is unchanged.
-        Several shard dims are one flattened dim of another mesh (SpmdDims.spec)."""
+    def _spmd_sharded_spec(self, dim: int) -> _Spec:
+        """On the full SPMD mesh: each shard dim's Replicate becomes Shard(dim) (_StridedShard
+        when mesh dims after it shard `dim` too); several are one flattened dim (SpmdDims.spec)."""
         spmd = self.spmd
         assert spmd is not None
         placements = list(self.placements)

@@ -16,18 +16,13 @@ from ..comm.meshes import mesh_device
 
 
 def clip_grad_norm_(
-    parameters: torch.Tensor | Iterable[torch.Tensor],
-    max_norm: float,
-    norm_type: float = 2.0,
+    parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Scale the gradients of `parameters` so their global norm is at most `max_norm`; return
-    the norm before scaling, the same on every rank.
-
-    Gradients may be DTensors on different meshes (fully sharded, HSDP, tensor parallel)
-    and plain tensors, which count as replicated. Call it on every rank with the same
-    parameters, as torch.nn.utils.clip_grad_norm_ is called in single-process training.
-    """
+    the norm before scaling, the same on every rank. Gradients may be DTensors on any meshes
+    (fully sharded, HSDP, tensor parallel) or plain tensors (replicated). Call it on every
+    rank with the same parameters."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
@@ -46,9 +41,8 @@ def clip_grad_norm_(
 
 
 def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The norm of all `grads` taken as one vector, whatever meshes they are sharded over."""
-    # Gradients sharded over the same mesh dimensions combine locally first, then with one
-    # all-reduce per such dimension: a sum of p-th powers (a max for the inf-norm).
+    """The norm of all `grads` as one vector. Those sharded over the same mesh dims combine
+    locally, then with one all-reduce per dim: a sum of p-th powers (a max for the inf-norm)."""
     groups: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}
     for grad in grads:
         key = _shard_dims(grad)

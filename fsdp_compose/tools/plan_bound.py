@@ -1,9 +1,6 @@
-"""A lower bound of a setup's simulated peak (peak_lower_bound), from ModelSizes that
-model_sizes measures on the model unsharded, far cheaper than simulating the setup.
-
-Under a budget plan() simulates only the setups whose bound is within it: one over it
-cannot fit.
-"""
+"""A lower bound of a setup's simulated peak (peak_lower_bound), from ModelSizes measured on
+the model unsharded, far cheaper than a simulation: under a budget, plan() simulates only
+the setups whose bound is within it."""
 
 from __future__ import annotations
 
@@ -31,13 +28,12 @@ class ModelSizes:
 
 def peak_lower_bound(sizes: ModelSizes, setup: Setup, world_size: int) -> int:
     """A lower bound of the peak per rank that plan() simulates for `setup`: the largest of
-    three moments every simulation passes through, each counting only memory sure to be
-    on the device then. CPU offload keeps shards, gradients and AdamW's state off it."""
+    three moments every simulation passes through, counting only memory sure to be on the
+    device then (CPU offload keeps shards, gradients and AdamW's state off it)."""
     on_device = not setup.cpu_offload
 
     def shards_beside(whole: int) -> int:
-        # Every shard but those of `whole` bytes of parameters held unsharded: at one rank
-        # the unsharded parameters may be the shards themselves, not a copy.
+        # At one rank the unsharded parameters may be the shards themselves, not a copy.
         return (sizes.params - whole) // world_size if on_device else 0
 
     moments = 2 * sizes.trained // world_size if on_device else 0  # AdamW's, from step 1 on
@@ -49,9 +45,8 @@ def peak_lower_bound(sizes: ModelSizes, setup: Setup, world_size: int) -> int:
     units = [sum(sizes.blocks[i:i + k]) for i in range(0, len(sizes.blocks), k)]
     units.append(max(0, sizes.params - sum(sizes.blocks)))
     computing = moments + max(u + shards_beside(u) for u in units)
-    # 3. The second forward done: what it left allocated (activations and the loss, as the
-    #    unsharded model leaves them), and without resharding every block's parameters.
-    #    (reshard_after_forward=<int> keeps pieces of them too; not counted, so still a bound.)
+    # 3. The second forward done: what it left allocated and, without resharding, every
+    #    block's parameters (reshard_after_forward=<int>'s pieces are not counted).
     kept = sum(sizes.blocks) if setup.reshard_after_forward is False else 0
     after_forward = (moments + kept + shards_beside(kept)
                      + sizes.forward.get(setup.checkpoint_every, 0))
@@ -62,18 +57,15 @@ def model_sizes(
     build_model: Callable[[], nn.Module], blocks: str, sample_input: Any, loss_fn: LossFn,
     device: torch.device, checkpointing: Iterable[int | None],
 ) -> ModelSizes:
-    """The model's ModelSizes on `device`, with a forward per checkpointing in
-    `checkpointing` (checkpoint_blocks(every=...), None for none): the model unsharded, no
-    process group, one rank's batch, so far cheaper than simulating a setup."""
-    if device.type != "cpu":
-        torch.get_device_module(device.type).set_device(device)
-    batch = tree_map_only(torch.Tensor, lambda t: t.to(device), sample_input)
+    """The model's ModelSizes on `device`, with a forward for each checkpoint_blocks(every=...)
+    in `checkpointing` (None: none): the model unsharded, one rank's batch, no process group."""
+    batch = move_batch(sample_input, device)
     model = build_model().to(device)
     params = _param_bytes(model.parameters())
     layers = tuple(_param_bytes(b.parameters()) for b in block_list(model, blocks))
     forward: dict[int | None, int] = {}
     forward[None], loss = _forward_bytes(model, batch, loss_fn, device)
-    loss.backward()  # which parameters train (and get AdamW's state): those given a gradient
+    loss.backward()  # the parameters given a gradient are those that train
     trained = _param_bytes(p for p in model.parameters() if p.grad is not None)
     del model, loss
     for every in {e for e in checkpointing if e is not None}:
@@ -84,11 +76,18 @@ def model_sizes(
     return ModelSizes(params, trained, layers, forward)
 
 
+def move_batch(sample_input: Any, device: torch.device) -> Any:
+    """Make `device` current and move `sample_input`'s tensors there."""
+    if device.type != "cpu":
+        torch.get_device_module(device.type).set_device(device)
+    return tree_map_only(torch.Tensor, lambda t: t.to(device), sample_input)
+
+
 def _forward_bytes(
     model: nn.Module, batch: Any, loss_fn: LossFn, device: torch.device
 ) -> tuple[int, torch.Tensor]:
-    """The bytes on `device` a forward and loss leave allocated (as MemTracker counts them,
-    so as the simulation does), and the loss."""
+    """The bytes a forward and loss leave allocated on `device` (as MemTracker counts them in
+    the simulation too), and the loss."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()

@@ -8,22 +8,20 @@ from decimal import Decimal
 
 
 def size(nbytes: float) -> str:
-    """Bytes in the largest binary unit that keeps a number of at least 1."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
+    """Bytes in the largest binary unit (up to GiB) that keeps a number of at least 1."""
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024:
             return f"{nbytes:.1f} {unit}"
         nbytes /= 1024
-    raise AssertionError("unreachable")
+    return f"{nbytes:.1f} GiB"
 
 
 _POWERS = {"k": (10, 3), "m": (20, 6), "g": (30, 9), "t": (40, 12)}  # of 2 with "i", else of 10
-_DECIMAL_NAMES = {"k": "kB", "m": "MB", "g": "GB", "t": "TB"}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(i?)(b?)|(b?))\s*", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
-    """"64MiB" (64 x 2^20), "64MB" (64 x 10^6), "2048" or "2048B" (bytes) as bytes: kB,
-    MB, GB, TB decimal, KiB, MiB, GiB, TiB binary, in any case ("mb" is 10^6, "mib" 2^20).
+    """"64MiB" (64 x 2^20), "64MB" (64 x 10^6), "2048" or "2048B" as bytes, in any case.
     ValueError for anything else, and for a unit without its B ("64M", "64Mi"), which
     people write for either."""
     match = _SIZE.fullmatch(text)
@@ -36,5 +34,5 @@ def parse_size(text: str) -> int:
     two, ten = _POWERS[unit]
     if not b:
         raise ValueError(f"an ambiguous size: {text!r}; say {number}{unit.upper()}iB (2^{two} "
-                         f"bytes) or {number}{_DECIMAL_NAMES[unit]} (10^{ten} bytes)")
+                         f"bytes) or {number}{unit if unit == 'k' else unit.upper()}B (10^{ten} bytes)")
     return int(Decimal(number) * (2**two if binary else 10**ten))

@@ -1,5 +1,5 @@
-"""What plan() tells people: its plans as a table, how it ranks them (ranking) and, while
-it simulates, which candidate it is on (Progress, on stderr)."""
+"""What plan() tells people: its plans as a table, how it ranks them, and which candidate
+it is on (Progress, on stderr)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
+from typing import TextIO
 
 from .plan_bytes import size
 from .plan_setup import Plan
 
 
 def table(plans: Sequence[Plan]) -> str:
-    """`plans` as aligned rows under a header: the setup, its peak per rank, the bytes it
-    communicates per step and (under a budget) whether it fits."""
+    """`plans` as aligned columns: setup, peak per rank, bytes per step, (under a budget) verdict."""
     budgeted = any(p.fits is not None for p in plans)
     rows = [["setup", "peak per rank", "communicated per step"] + (["verdict"] if budgeted else [])]
     for p in plans:
@@ -27,7 +27,7 @@ def table(plans: Sequence[Plan]) -> str:
 
 
 def ranking(budgeted: bool) -> str:
-    """How plan() orders its plans (what planner's _rank does), in words."""
+    """How plan() orders its plans (planner's _rank), in words."""
     costs = ("by less recomputation (a smaller share of blocks checkpointed), then no CPU "
              "offload, then fewer bytes communicated, then a lower peak")
     if not budgeted:
@@ -38,41 +38,37 @@ def ranking(budgeted: bool) -> str:
 
 
 class Progress:
-    """Which candidate plan() is on, on stderr, so that minutes of simulating are not
-    silent: one line each, or on a terminal one line that rewrites itself with a bar."""
+    """Which candidate plan() is on, on stderr: a line each, or on a terminal one line that
+    rewrites itself with a bar."""
 
     def __init__(self, total: int, quiet: bool) -> None:
-        self.total, self.quiet, self.started = total, quiet, time.monotonic()
-        self.stream = sys.stderr  # at the call, not import: tests and callers redirect it
-        self.tty = not quiet and self.stream is not None and self.stream.isatty()
+        self.total, self.started = total, time.monotonic()
+        # Looked up at the call, not import: tests and callers redirect it. None: say nothing.
+        self.stream: TextIO | None = None if quiet else sys.stderr
+        self.tty = self.stream is not None and self.stream.isatty()
 
     def show(self, k: int, what: str) -> None:
-        """Candidate `k` (from 1) is `what`."""
-        if self.quiet or self.stream is None:
-            return
         line = f"candidate {k} of {self.total}, {time.monotonic() - self.started:.1f} s: {what}"
-        if not self.tty:
-            print(f"plan: {line}", file=self.stream, flush=True)
-            return
         done = 20 * (k - 1) // self.total
-        self._overwrite(f"[{'#' * done}{'.' * (20 - done)}] {line}")
+        self._say(f"[{'#' * done}{'.' * (20 - done)}] {line}" if self.tty else f"plan: {line}")
 
     def note(self, text: str) -> None:
-        if not self.quiet and self.stream is not None:
+        if self.stream is not None:
             print(f"plan: {text}", file=self.stream, flush=True)
 
     def finish(self, ruled_out: int) -> None:
-        if self.quiet or self.stream is None:
-            return
-        line = (f"plan: {self.total} setups in {time.monotonic() - self.started:.1f} s, "
-                f"{ruled_out} ruled out by a lower bound without simulating")
+        self._say(f"plan: {self.total} setups in {time.monotonic() - self.started:.1f} s, "
+                  f"{ruled_out} ruled out by a lower bound without simulating")
         if self.tty:
-            self._overwrite(line)
-            line = ""  # ends the rewritten line
-        print(line, file=self.stream, flush=True)
+            print(file=self.stream, flush=True)  # ends the rewritten line
 
-    def _overwrite(self, line: str) -> None:
-        # Cut to the terminal's width: a line that wraps cannot be rewritten by \r.
-        width = shutil.get_terminal_size().columns - 1
-        self.stream.write("\r" + line[:width].ljust(width))
-        self.stream.flush()
+    def _say(self, line: str) -> None:
+        if self.stream is None:
+            return
+        if self.tty:
+            # Cut to the terminal's width: a line that wraps cannot be rewritten by \r.
+            width = shutil.get_terminal_size().columns - 1
+            self.stream.write("\r" + line[:width].ljust(width))
+            self.stream.flush()
+        else:
+            print(line, file=self.stream, flush=True)

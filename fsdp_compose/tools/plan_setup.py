@@ -1,9 +1,5 @@
-"""Setup, one way to annotate a model that plan() tries, and Plan, what it costs per rank.
-
-A Setup applies itself (fully_shard over groups of blocks, checkpoint_blocks) and writes
-the calls that realise it; a Plan is a setup with its peak, its bytes communicated per
-step and its verdict under a budget. block_list finds the blocks a setup groups.
-"""
+"""Setup, one way to annotate a model that plan() tries, and Plan, what it costs per rank:
+its peak, its bytes communicated per step and its verdict under a budget."""
 
 from __future__ import annotations
 
@@ -33,7 +29,7 @@ class Setup:
     cpu_offload: bool = False  # offload_policy=CPUOffloadPolicy()
 
     def apply(self, model: nn.Module, blocks: str, mesh: DeviceMesh | None = None) -> None:
-        """Annotate `model` (not yet annotated) this way, over `mesh` (default: fully_shard's);
+        """Annotate `model` (not yet annotated) this way over `mesh` (default: fully_shard's);
         `blocks` names its ModuleList."""
         layers = block_list(model, blocks)
         if self.checkpoint_every is not None:
@@ -43,8 +39,7 @@ class Setup:
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
         k = self.blocks_per_unit
         for i in range(0, len(layers), k):
-            group = list(layers[i:i + k])
-            unit = group if k > 1 else group[0]
+            unit = list(layers[i:i + k]) if k > 1 else layers[i]
             fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
         fully_shard(model, **options)
 
@@ -53,11 +48,9 @@ class Setup:
         lines = []
         if self.checkpoint_every is not None:
             lines.append(f"checkpoint_blocks(model, {block_class}, every={self.checkpoint_every})")
-        option = "" if self.reshard_after_forward is True else (
-            f", reshard_after_forward={self.reshard_after_forward}"
-        )
         offload = ", offload_policy=CPUOffloadPolicy()" if self.cpu_offload else ""
-        option += offload
+        option = offload if self.reshard_after_forward is True else (
+            f", reshard_after_forward={self.reshard_after_forward}{offload}")
         k = self.blocks_per_unit
         if k == 1:
             lines.append(f"for block in model.{blocks}:\n    fully_shard(block{option})")
@@ -69,24 +62,26 @@ class Setup:
 
     def describe(self) -> str:
         """In words: "1 block(s)/unit, reshard_after_forward=True, no activation checkpointing"."""
-        offload = ", CPU offload" if self.cpu_offload else ""
-        return (f"{self.blocks_per_unit} block(s)/unit, reshard_after_forward={self.reshard_after_forward}, "
-                f"{_checkpointing(self.checkpoint_every)}{offload}")
+        every = self.checkpoint_every
+        checkpointing = "no activation checkpointing" if every is None else (
+            "activation checkpointing of " + ("every block" if every == 1 else f"1 block in {every}"))
+        return (f"{self.blocks_per_unit} block(s)/unit, reshard_after_forward="
+                f"{self.reshard_after_forward}, {checkpointing}"
+                + (", CPU offload" if self.cpu_offload else ""))
 
 
 @dataclasses.dataclass
 class Plan:
     """A setup and what it costs per rank and step: simulated, or (`simulated` False) ruled
-    out under the budget by a lower bound of its peak, without simulating it."""
+    out under the budget by a lower bound of its peak."""
 
     setup: Setup
-    peak_bytes: int  # tracked tensor memory per rank at its peak; not simulated: a lower bound
-    bytes_per_step: int | None  # every all-gather's and reduce-scatter's buffer, one step
-    # (None: not simulated)
+    peak_bytes: int  # tracked tensor memory per rank at its peak; not simulated: the bound
+    bytes_per_step: int | None  # all-gather and reduce-scatter buffers (None: not simulated)
     fits: bool | None  # within the memory budget (None: no budget given)
-    code: str
-    memory_budget: int | None = None  # bytes per rank, as plan() was given it
-    simulated: bool = True  # False: ruled out by peak_lower_bound, peak_bytes that bound
+    code: str  # the calls that realise the setup
+    memory_budget: int | None = None  # bytes per rank
+    simulated: bool = True
 
     def __str__(self) -> str:
         parts = [self.setup.describe(), f"peak {self.peak_words()}"]
@@ -98,7 +93,7 @@ class Plan:
         return " | ".join(parts + ([verdict] if verdict else []))
 
     def peak_words(self) -> str:
-        """The peak per rank in words: "at least ..." where only its lower bound is known."""
+        """The peak in words: "at least ..." where only its lower bound is known."""
         return size(self.peak_bytes) if self.simulated else f"at least {size(self.peak_bytes)}"
 
     def verdict(self) -> str:
@@ -113,15 +108,8 @@ class Plan:
         return f"does not fit: {over if self.simulated else 'at least ' + over} over"
 
 
-def _checkpointing(every: int | None) -> str:
-    """Setup.checkpoint_every in words (checkpoint_blocks(every=n) recomputes every n-th block)."""
-    if every is None:
-        return "no activation checkpointing"
-    return "activation checkpointing of " + ("every block" if every == 1 else f"1 block in {every}")
-
-
 def block_list(model: nn.Module, blocks: str) -> nn.ModuleList:
-    """The ModuleList `model.<blocks>`: the blocks that a Setup groups into units."""
+    """The ModuleList `model.<blocks>`, which a Setup groups into units."""
     layers = model.get_submodule(blocks)
     assert isinstance(layers, nn.ModuleList), f"model.{blocks} is not a ModuleList"
     return layers

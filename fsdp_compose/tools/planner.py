@@ -1,25 +1,9 @@
 """plan(): try candidate setups of a model in one process before running it, and rank them.
 
-Each candidate (blocks per unit, reshard_after_forward, activation checkpointing every n
-blocks) trains two steps as rank 0 of a `world_size`-rank job on the fake process group,
-which fills the collectives' outputs without other processes: the shapes, sizes and
-allocations are the real job's. torch's MemTracker gives the peak of tracked tensor
-memory per rank (parameters, gradients, optimizer state, activations, buffers), a dispatch
-counter the bytes of every collective. A candidate fits when its peak is within the
-budget; those that do not are listed by how far they miss it. It runs on the accelerator
-when there is one (the memory it predicts is that device's), else on the CPU. CPU offload
-moves shards, gradients and optimizer state off the accelerator: a candidate there; on the
-CPU it would move nothing, so not a candidate.
-
-Under a budget, a candidate whose lower bound (peak_lower_bound: its shards, AdamW's state,
-the parameters it holds whole and what an unsharded forward leaves allocated) exceeds it is
-not simulated: it cannot fit, and a simulation costs seconds. Unless told to be quiet,
-plan() says on stderr which candidate it is on.
-
-Here: plan(), the candidates and the simulation. Beside it: plan_setup (Setup, Plan),
-plan_bound (the lower bound), plan_report (the table, the ranking in words, the progress
-line) and plan_bytes (sizes in words and back); their public names are importable from
-here too (__all__).
+Each setup trains two AdamW steps as rank 0 of a `world_size`-rank job on the fake process
+group (collectives fill their outputs, so shapes and allocations are the real job's), under
+torch's MemTracker (the peak) and a dispatch mode counting the collectives' bytes. The other
+planner modules' public names are importable from here too (__all__).
 """
 
 from __future__ import annotations
@@ -33,9 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 
-from .plan_bound import ModelSizes, device_total, model_sizes, peak_lower_bound
+from .plan_bound import ModelSizes, device_total, model_sizes, move_batch, peak_lower_bound
 from .plan_bytes import parse_size, size
 from .plan_report import Progress, ranking, table
 from .plan_setup import LossFn, Plan, Setup, block_list
@@ -52,16 +35,13 @@ def plan(
     setups: Sequence[Setup] | None = None, blocks: str | None = None,
     device: torch.device | str | None = None, quiet: bool = False,
 ) -> list[Plan]:
-    """Simulate `setups` (default: `candidates(...)`) of the model `build_model()` builds,
-    trained with AdamW on `sample_input` (one rank's batch; `loss_fn(model, input)`, default
-    the output's sum), as rank 0 of `world_size` ranks on `device` (default: the
-    accelerator if there is one, else the CPU), in this process (no process group may be
-    initialised). Peaks are that device's memory. Under `memory_budget` (bytes, or a size
-    such as "4MiB"), a setup whose peak_lower_bound exceeds it is not simulated (its Plan:
-    `simulated` False, the bound as its peak, no bytes per step). Returns them ranked (see
-    ranking()): those that fit first, by less recomputation, no offload, fewer bytes
-    communicated, lower peak; then the simulated misses, nearest first; then those ruled
-    out by their bound, lowest first. Unless `quiet`, says on stderr which setup it is on."""
+    """Simulate `setups` (default: `candidates(...)`) of `build_model()`, trained with AdamW
+    on `sample_input` (one rank's batch; `loss_fn(model, input)`, default the output's sum),
+    as rank 0 of `world_size` ranks on `device` (default: the accelerator, else the CPU), in
+    this process, which must have no process group. Under `memory_budget` (bytes, or a size
+    such as "4MiB") a setup whose peak_lower_bound exceeds it is not simulated (`simulated`
+    False, the bound as its peak). Returns the plans ranked as ranking() says; unless
+    `quiet`, says on stderr which setup it is on."""
     budget = _budget(memory_budget)
     if dist.is_initialized():
         raise RuntimeError(
@@ -71,38 +51,33 @@ def plan(
     on = _device(device)
     model = build_model()
     blocks = blocks or _blocks_attribute(model)
-    # Named before fully_shard swaps the class for its FSDP<Name> subclass: the printed
-    # calls must name the class the user's code has.
+    # Named before fully_shard makes it FSDP<Name>: the printed calls name the user's class.
     block_class = type(block_list(model, blocks)[0]).__name__
     if setups is None:
         setups = candidates(world_size, len(block_list(model, blocks)), offload=on.type != "cpu")
     del model
     loss_fn = loss_fn or _sum
     progress, plans = Progress(len(setups), quiet), []
-    # Bounds only pay under a budget: without one nothing is ruled out.
     sizes = None if budget is None else _sizes_or_none(
         build_model, blocks, sample_input, loss_fn, on, {s.checkpoint_every for s in setups},
         progress)
     for k, setup in enumerate(setups, 1):
+        code = setup.code(blocks, block_class)
         least = 0 if sizes is None else peak_lower_bound(sizes, setup, world_size)
         if budget is not None and least > budget:
             progress.show(k, f"not simulated (peak at least {size(least)}, over the budget): "
-                               f"{setup.describe()}")
-            plans.append(Plan(setup, least, None, False, setup.code(blocks, block_class),
-                              simulated=False))
+                             f"{setup.describe()}")
+            plans.append(Plan(setup, least, None, False, code, budget, simulated=False))
             continue
         progress.show(k, f"simulating {setup.describe()}")
-        plans.append(_simulate(build_model, setup, world_size, sample_input, loss_fn, blocks, on))
+        peak, sent = _simulate(build_model, setup, world_size, sample_input, loss_fn, blocks, on)
+        plans.append(Plan(setup, peak, sent, None if budget is None else peak <= budget, code, budget))
     progress.finish(sum(not p.simulated for p in plans))
-    for p in plans:
-        p.fits = None if budget is None else p.peak_bytes <= budget
-        p.memory_budget = budget
     return sorted(plans, key=_rank)
 
 
 def _budget(memory_budget: int | str | None) -> int | None:
-    """The budget in bytes. A string is parsed as the command line's --budget is, and here,
-    before any simulation: a typo should not cost the minutes of simulating first."""
+    """The budget in bytes, a string parsed before any simulation (a typo costs no minutes)."""
     if not isinstance(memory_budget, str):
         return memory_budget
     try:
@@ -112,10 +87,8 @@ def _budget(memory_budget: int | str | None) -> int | None:
 
 
 def _rank(p: Plan) -> tuple[bool, bool, int, float, bool, int, int]:
-    """Plans that fit (or all, without a budget) by cost; those that miss, by how much (a
-    miss's other costs matter less than how far it is from fitting); last those ruled out
-    by a lower bound, by that bound: the real peak behind it may miss by more than a
-    simulated miss does, so it is no nearer. ranking() says this in words."""
+    """Plans that fit (or all, without a budget) by cost; misses by how far they miss; last
+    those ruled out by a bound, by that bound (the real peak behind it may miss by more)."""
     miss = p.peak_bytes if p.fits is False else 0
     recompute = 1 / p.setup.checkpoint_every if p.setup.checkpoint_every else 0.0
     return (p.fits is False, not p.simulated, miss, recompute, p.setup.cpu_offload,
@@ -126,9 +99,8 @@ def _sizes_or_none(
     build_model: Callable[[], nn.Module], blocks: str, sample_input: Any, loss_fn: LossFn,
     device: torch.device, checkpointing: Iterable[int | None], progress: Progress,
 ) -> ModelSizes | None:
-    """model_sizes, or None (every setup simulated, as without bounds) where the unsharded
-    model cannot run a step here: too large for the device (the simulation holds only
-    shards of it), or parameters on the meta device that only fully_shard initialises."""
+    """model_sizes, or None (no bounds) where the unsharded model cannot run here: too large
+    for the device, or parameters on the meta device that only fully_shard initialises."""
     try:
         return model_sizes(build_model, blocks, sample_input, loss_fn, device, checkpointing)
     except (RuntimeError, NotImplementedError) as e:  # OutOfMemoryError is a RuntimeError
@@ -137,7 +109,7 @@ def _sizes_or_none(
 
 
 def _device(device: torch.device | str | None) -> torch.device:
-    """Where to simulate: `device` with its index, else the accelerator's first, else the CPU."""
+    """`device` with its index, else the accelerator's first, else the CPU."""
     if device is None:
         accelerator = torch.accelerator.current_accelerator(check_available=True)
         return torch.device(accelerator.type, 0) if accelerator is not None else torch.device("cpu")
@@ -148,9 +120,9 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 
 def candidates(world_size: int, num_blocks: int, offload: bool = False) -> list[Setup]:
-    """Blocks per unit 1 and 2 (and all of them), reshard_after_forward True, False and (for
-    4 ranks or more) half the ranks, checkpointing none, every other block, every block;
-    with `offload`, each also with CPU offload."""
+    """Blocks per unit 1, 2 and all; reshard_after_forward True, False and (from 4 ranks)
+    half the ranks; checkpointing none, every other block, every block; with `offload`
+    (where it moves memory: an accelerator), each also with CPU offload."""
     per_unit = sorted({k for k in (1, 2, num_blocks) if 1 <= k <= num_blocks})
     reshard: list[bool | int] = [True, False] + ([world_size // 2] if world_size >= 4 else [])
     return [
@@ -172,8 +144,7 @@ def _blocks_attribute(model: nn.Module) -> str:
     ]
     if not lists:
         raise ValueError(f"plan: {type(model).__name__} has no ModuleList of blocks; pass blocks=")
-    name: str = max(lists)[1]
-    return name
+    return str(max(lists)[1])
 
 
 class _CollectiveBytes(TorchDispatchMode):
@@ -191,38 +162,32 @@ class _CollectiveBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _nbytes(tensors: torch.Tensor | list[torch.Tensor]) -> int:
+def _nbytes(tensors: torch.Tensor | list[Any]) -> int:
     if isinstance(tensors, torch.Tensor):
-        return tensors.numel() * tensors.element_size()
+        return tensors.nbytes
     return sum(_nbytes(t) for t in tensors)
 
 
 def _simulate(
     build_model: Callable[[], nn.Module], setup: Setup, world_size: int, sample_input: Any,
     loss_fn: LossFn, blocks: str, device: torch.device,
-) -> Plan:
+) -> tuple[int, int]:
+    """`setup`'s peak per rank and bytes communicated per step."""
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.testing._internal.distributed.fake_pg import (
-        FakeStore,  # no public fake group
-    )
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # no public fake group
 
-    if device.type != "cpu":
-        torch.get_device_module(device.type).set_device(device)
-    batch = tree_map_only(torch.Tensor, lambda t: t.to(device), sample_input)
+    batch = move_batch(sample_input, device)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         model = build_model()
-        # Named before fully_shard swaps the class for its FSDP<Name> subclass: the printed
-        # calls must name the class the user's code has.
-        block_class = type(block_list(model, blocks)[0]).__name__
         setup.apply(model, blocks, init_device_mesh(device.type, (world_size,)))
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         tracker = MemTracker()
         tracker.track_external(model, optim)
         with tracker, warnings.catch_warnings():
-            # MemTracker's post-accumulate-grad hook on an unsharded parameter runs after
-            # ours took its gradient to reduce (it finds .grad None, and warns); the gradient
-            # was tracked when autograd made it, so the peak is right and the warning noise.
+            # MemTracker's post-accumulate-grad hook runs after ours took the unsharded
+            # gradient (it finds .grad None and warns); it tracked the gradient when autograd
+            # made it, so the peak is right.
             warnings.filterwarnings(
                 "ignore", "Expected a tensor or a traceable wrapper-subclass of tensor",
                 UserWarning, "torch.distributed._tools.mem_tracker",
@@ -236,6 +201,6 @@ def _simulate(
         with _CollectiveBytes() as counted:
             loss_fn(model, batch).backward()
         optim.zero_grad()
-        return Plan(setup, peak, counted.nbytes, None, setup.code(blocks, block_class))
+        return peak, counted.nbytes
     finally:
         dist.destroy_process_group()

@@ -1,18 +1,13 @@
 """StepTrace: what each unit did in one or more training steps, on this rank: its
-all-gathers and reduce-scatters (issued, waited for, bytes, time the rank was blocked), its
-forward and backward compute, and the memory held at each.
-
-While a trace is open it is the runtime's observer (comm/observer.py), told of each part's
-collectives and each unit's backward, and it hooks its modules' forward; on exit it
-removes both, so the runtime then pays one None check per event. Each span is also a
-`torch.profiler.record_function` range, "fsdp::<unit> <what> <pass>", so it shows in
-torch.profiler traces. Rendering (table, Chrome trace, picture) is in tools/trace_report.py.
+collectives (bytes, time the rank was blocked), its forward and backward compute, and the
+memory held at each. While open it is the runtime's observer (comm/observer.py) and hooks
+its modules' forward; each span is also a torch.profiler range "fsdp::<unit> <what> <pass>".
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +15,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..comm import observer as _observer
-from ..comm.collectives import all_gather_object
+from ..comm.collectives import every_rank
 from ..schedule.iteration import UnitState
 from ..schedule.phase import in_backward
 from ..schedule.state import state_of
@@ -46,9 +41,8 @@ class StepTrace:
         trace.save_chrome("step.json")  # every rank calls it: rank 0 writes all ranks
         trace.save_png("step.png")      # this rank's units over time, and memory
 
-    Memory at each span's end: on an accelerator the bytes its allocator holds for
-    tensors; on the CPU the bytes fsdp_compose holds beyond the shards (unsharded
-    parameters and communication buffers), which is what sharding changes.
+    Memory at each span's end: on an accelerator the bytes its allocator holds; on the CPU
+    those fsdp_compose holds beyond the shards (unsharded parameters, communication buffers).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -59,10 +53,7 @@ class StepTrace:
             raise ValueError(f"StepTrace: {type(model).__name__} has no fully_shard units.")
         self._states: list[UnitState] = list(states.values())
         self._state_ids = set(states)
-        # Each part of this model's units, by id, and the unit state it belongs to.
-        self._part_of: dict[int, UnitState] = {
-            id(part): s for s in self._states for part in s.unit.parts
-        }
+        self._part_of = {id(part): s for s in self._states for part in s.unit.parts}
         self._hooks: list[RemovableHandle] = []
         self._origin = 0.0
         self._open: dict[tuple[int, str, str], Span] = {}  # spans begun, not yet ended
@@ -145,19 +136,16 @@ class StepTrace:
     def _name(self, state: UnitState) -> str:
         return state.unit.fqn_prefix.rstrip(".")
 
-    def _begin(
-        self, state: UnitState, kind: str, phase: str, start: float, by: object = None,
-        **fields: Any,
-    ) -> None:
-        """A span of `state`'s unit begins; `by` (default the unit) tells apart the spans of
-        one unit that overlap (its parts' collectives, with parameters on several meshes)."""
+    def _begin(self, state: UnitState, kind: str, phase: str, start: float, by: object = None,
+               **fields: Any) -> None:
+        """A span of `state`'s unit begins; `by` (default the unit) tells apart overlapping
+        spans of one unit (its parts' collectives, on several meshes)."""
         key = id(state if by is None else by), kind, phase
         self._open[key] = Span(self._name(state), kind, phase, start, start, **fields)
 
-    def _end(
-        self, state: UnitState, kind: str, phase: str | None = None, blocked: float = 0.0,
-        by: object = None,
-    ) -> None:
+    def _end(self, state: UnitState, kind: str, phase: str | None = None, blocked: float = 0.0,
+             by: object = None) -> None:
+        """End the open span of `state` (or `by`) of `kind`, in `phase` or either."""
         for p in (phase,) if phase else (FORWARD, BACKWARD):
             span = self._open.pop((id(state if by is None else by), kind, p), None)
             if span is not None:
@@ -168,30 +156,26 @@ class StepTrace:
                 return
 
     def memory(self) -> int:
-        """Bytes held now: see the class docstring."""
-        device = self._device
-        if device.type != "cpu":
-            return int(torch.get_device_module(device.type).memory_allocated(device))
+        """Bytes held now (see the class docstring)."""
+        if self._device.type != "cpu":
+            return int(torch.get_device_module(self._device.type).memory_allocated(self._device))
         return sum(s.unit.held_bytes() for s in self._states)
 
     # -- results -------------------------------------------------------------------------------
 
     def table(self) -> str:
-        """Per unit and pass: bytes and milliseconds of its collectives, its compute, the
-        communication it waited for (not hidden by compute), the peak memory."""
+        """Per unit and pass: its collectives' bytes and ms, its compute, the communication
+        not hidden by compute, the peak memory."""
         return unit_table(self.spans, on_cpu=self._device.type == "cpu")
 
     def save_chrome(self, path: str) -> None:
         """A Chrome trace (Perfetto, chrome://tracing) of every rank: a process per rank, a
-        lane per stream (compute, all-gather, reduce-scatter), a memory counter. Collective:
-        every rank calls it; the first writes."""
-        spans: list[list[Span]] = [self.spans]
-        if dist.is_initialized():
-            spans = cast(list[list[Span]], all_gather_object(self.spans, dist.group.WORLD))  # type: ignore[arg-type]  # WORLD is set once initialised
+        lane per stream, a memory counter. Every rank calls it; the first writes."""
+        spans = every_rank(self.spans)
         if self.rank == 0:
             chrome_trace(path, spans)
 
     def save_png(self, path: str) -> None:
-        """This rank's units over time (compute and collectives per unit) above the memory
-        held; needs matplotlib (`pip install "fsdp_compose[bench]"`)."""
+        """This rank's units over time above the memory held; needs matplotlib
+        (`pip install "fsdp_compose[bench]"`)."""
         draw_timeline(path, self.spans, self.rank)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,8 @@ class Span:
     blocked: float = 0.0  # communication: seconds the rank spent in its calls (not hidden)
     nbytes: int = 0  # communication: the collective's whole buffer
     memory: int = 0  # bytes held when it ended (see StepTrace.memory)
+
+
 _MIB = 2**20
 
 
@@ -33,24 +36,23 @@ def _label(unit: str) -> str:
 
 def unit_table(spans: Sequence[Span], on_cpu: bool) -> str:
     """One row per unit and pass, in the order the units first ran in that pass."""
-    rows: dict[tuple[str, str], dict[str, float]] = {}
+    rows: dict[tuple[str, str], defaultdict[str, float]] = {}
     for s in sorted(spans, key=lambda s: s.start):
-        row = rows.setdefault((s.phase, s.unit), {"peak": 0.0})
+        row = rows.setdefault((s.phase, s.unit), defaultdict(float))
         row["peak"] = max(row["peak"], s.memory / _MIB)
-        row[s.kind + " ms"] = row.get(s.kind + " ms", 0.0) + (s.end - s.start) * 1e3
-        row[s.kind + " MiB"] = row.get(s.kind + " MiB", 0.0) + s.nbytes / _MIB
-        row["exposed ms"] = row.get("exposed ms", 0.0) + s.blocked * 1e3
-    memory = "held MiB" if on_cpu else "allocated MiB"
-    header = (f"{'pass':<9}{'unit':<24}{'compute ms':>11}{'AG MiB':>9}{'AG ms':>8}{'RS MiB':>9}"
-              f"{'RS ms':>8}{'exposed ms':>11}{memory:>15}")
-    lines = [header]
+        row[s.kind + " ms"] += (s.end - s.start) * 1e3
+        row[s.kind + " MiB"] += s.nbytes / _MIB
+        row["exposed ms"] += s.blocked * 1e3
+    columns = {  # header: (row key, width)
+        "compute ms": ("compute ms", 11), "AG MiB": ("all-gather MiB", 9),
+        "AG ms": ("all-gather ms", 8), "RS MiB": ("reduce-scatter MiB", 9),
+        "RS ms": ("reduce-scatter ms", 8), "exposed ms": ("exposed ms", 11),
+        "held MiB" if on_cpu else "allocated MiB": ("peak", 15),
+    }
+    lines = [f"{'pass':<9}{'unit':<24}" + "".join(f"{h:>{w}}" for h, (_, w) in columns.items())]
     for (phase, unit), row in rows.items():
-        lines.append(
-            f"{phase:<9}{_label(unit)[:23]:<24}{row.get('compute ms', 0.0):>11.3f}"
-            f"{row.get('all-gather MiB', 0.0):>9.3f}{row.get('all-gather ms', 0.0):>8.3f}"
-            f"{row.get('reduce-scatter MiB', 0.0):>9.3f}{row.get('reduce-scatter ms', 0.0):>8.3f}"
-            f"{row.get('exposed ms', 0.0):>11.3f}{row['peak']:>15.3f}"
-        )
+        lines.append(f"{phase:<9}{_label(unit)[:23]:<24}"
+                     + "".join(f"{row[key]:>{w}.3f}" for key, w in columns.values()))
     exposed = sum(s.blocked for s in spans) * 1e3
     lines.append(f"communication not hidden by compute: {exposed:.3f} ms (time blocked in collectives)")
     return "\n".join(lines)
@@ -85,19 +87,19 @@ def draw_timeline(path: str, spans: Sequence[Span], rank: int) -> None:
     import matplotlib.pyplot as plt
 
     units = list(dict.fromkeys(s.unit for s in sorted(spans, key=lambda s: s.start)))
-    colors = {("compute", "forward"): "tab:blue", ("compute", "backward"): "tab:orange",
-              ("all-gather", "forward"): "tab:green", ("all-gather", "backward"): "tab:green",
-              ("reduce-scatter", "backward"): "tab:red"}
+    colors = {FORWARD: "tab:blue", BACKWARD: "tab:orange", ALL_GATHER: "tab:green",
+              REDUCE_SCATTER: "tab:red"}  # compute by pass, collectives by kind
     # Rows count down (the axis is inverted): all-gathers drawn above compute, reductions below.
-    offsets = {"compute": (-0.3, 0.6), "all-gather": (-0.5, 0.18), "reduce-scatter": (0.32, 0.18)}
+    offsets = {COMPUTE: (-0.3, 0.6), ALL_GATHER: (-0.5, 0.18), REDUCE_SCATTER: (0.32, 0.18)}
     figure, (lanes, memory) = plt.subplots(
         2, 1, figsize=(10, 1.2 + 0.45 * len(units)), sharex=True,
         gridspec_kw={"height_ratios": [max(len(units), 2), 2]},
     )
     for s in spans:
         y, height = offsets[s.kind]
+        color = colors[s.phase if s.kind == COMPUTE else s.kind]
         lanes.broken_barh([(s.start * 1e3, max((s.end - s.start) * 1e3, 1e-3))],
-                          (units.index(s.unit) + y, height), color=colors.get((s.kind, s.phase), "gray"))
+                          (units.index(s.unit) + y, height), color=color)
     lanes.set_yticks(range(len(units)), [_label(u) for u in units])
     lanes.invert_yaxis()
     lanes.set_title(f"rank {rank}: compute (blue forward, orange backward), all-gather (green, "
