@@ -92,9 +92,10 @@ class _LocalStep:
         for group, group_params in zip(optimizer.param_groups, groups):
             group["params"] = locals_[start : start + len(group_params)]
             start += len(group_params)
-        for p, local in zip(params, locals_):
+        with torch._C.DisableTorchFunctionSubclass():  # DTensor's `.grad` without its dispatch
+            grads = [p.grad for p in params]
+        for p, local, grad in zip(params, locals_, grads):
             if local is not p:
-                grad = p.grad
                 local.grad = None if grad is None else grad._local_tensor  # type: ignore[attr-defined]
         if optimizer.state is not self._outside or not (
             _identical(params, self._params) and _identical(locals_, self._locals)
