@@ -3,6 +3,7 @@ they are, against torch's fully_shard (see the test modules)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -28,6 +29,18 @@ def torchrun(args: list[str], timeout: float = 300) -> subprocess.CompletedProce
     assert result.returncode == 0, (
         f"torchrun {' '.join(args)}\n{result.stdout[-3000:]}\n{result.stderr[-8000:]}"
     )
+    return result
+
+
+def run_script(launcher: list[str], script: list[str], precision: str, steps: int, out_dir: Path) -> dict:
+    """Train with a framework script under torchrun (`launcher` in front of it: a shim, the
+    launcher, or both), saving at step 2, and read back what it recorded (record.py)."""
+    out = out_dir.with_suffix(".json")
+    torchrun([
+        *launcher, *script, "--precision", precision, "--steps", str(steps), "--save-steps", "2",
+        "--out", str(out), "--output-dir", str(out_dir),
+    ])
+    result: dict = json.loads(out.read_text())
     return result
 
 

@@ -17,13 +17,12 @@ modules their classes come from say whose fully_shard ran).
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as fsdp
-from record import checksums, fsdp_classes, script_arguments  # beside this script
+from record import checksums, fsdp_classes, save, script_arguments  # beside this script
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, set_seed
 
 VOCAB, SEQ = 128, 16
@@ -110,10 +109,7 @@ def main() -> None:
     resumed.train(resume_from_checkpoint=checkpoint)
     result["resumed"] = {"steps": step_logs(resumed), "params": checksums(resumed.model)}
 
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    dist.barrier()
+    save(result, args.out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ MixedPrecisionPolicy (bf16 parameters in compute, fp32 gradient reduction).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import lightning as L
@@ -25,7 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
-from record import checksums, fsdp_classes, script_arguments  # beside this script
+from record import checksums, fsdp_classes, save, script_arguments  # beside this script
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -119,10 +118,7 @@ def main() -> None:
     resumed = fit(args, ckpt_path=os.path.join(args.output_dir, f"step{args.save_steps}.ckpt"))
     result["resumed"] = {"steps": resumed.steps, "params": checksums(resumed)}
 
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    dist.barrier()
+    save(result, args.out)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 
 import torch
+import torch.distributed as dist
 
 
 def checksums(model: torch.nn.Module) -> dict[str, dict[str, object]]:
@@ -47,3 +49,11 @@ def script_arguments() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--save-steps", type=int, default=2)
     return parser.parse_args()
+
+
+def save(result: dict[str, object], path: str) -> None:
+    """Rank 0 writes what the run recorded to `path` (JSON); every rank waits for it."""
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()

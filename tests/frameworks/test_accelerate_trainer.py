@@ -9,12 +9,11 @@ its FSDP path on CPU.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.frameworks import assert_whose, torchrun
+from tests.frameworks import assert_whose, run_script
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -25,13 +24,8 @@ STEPS = 4
 
 
 def train(impl: str, precision: str, tmp_path: Path) -> dict:
-    out = tmp_path / f"{impl}.json"
-    torchrun([
-        *LAUNCHERS[impl], "-m", "tests.frameworks.cpu_shim", SCRIPT,
-        "--precision", precision, "--steps", str(STEPS), "--save-steps", "2",
-        "--out", str(out), "--output-dir", str(tmp_path / impl),
-    ])
-    return json.loads(out.read_text())
+    shim = ["-m", "tests.frameworks.cpu_shim"]  # accelerate's FSDP path on CPU
+    return run_script([*LAUNCHERS[impl], *shim], [SCRIPT], precision, STEPS, tmp_path / impl)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

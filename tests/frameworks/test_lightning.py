@@ -15,12 +15,11 @@ Under torchrun Lightning starts no processes of its own. Started by Lightning it
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.frameworks import assert_whose, torchrun
+from tests.frameworks import assert_whose, run_script
 
 pytest.importorskip("lightning")
 
@@ -30,12 +29,7 @@ STEPS = 4
 
 
 def train(impl: str, precision: str, tmp_path: Path) -> dict:
-    out = tmp_path / f"{impl}.json"
-    torchrun([
-        *LAUNCHERS[impl], SCRIPT, "--precision", precision, "--steps", str(STEPS),
-        "--save-steps", "2", "--out", str(out), "--output-dir", str(tmp_path / impl),
-    ])
-    return json.loads(out.read_text())
+    return run_script(LAUNCHERS[impl], [SCRIPT], precision, STEPS, tmp_path / impl)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
