@@ -9,7 +9,7 @@ CONTENDERS = ("fsdp_compose", "FSDP2", "plain")
 SECTION = """\
 ## The optimizer step
 
-AdamW's step alone, ms, over the sharded parameters of 8 blocks (dim {dim}, 12 parameters
+AdamW's step alone, ms, over the sharded parameters of 8 blocks (dim {dims}, 12 parameters
 each) on a fake group of {world}, under each mixed-precision policy (what the parameters
 are stored in does not change: float32), median of {rounds} interleaved rounds; "plain"
 steps ordinary tensors holding the same local shards and gradients:
@@ -34,14 +34,17 @@ def ratio_range(values: list[float]) -> str:
 
 
 def optimizer_section(result: dict) -> str:
-    config, steps = result["config"], result["ms_per_step"]
-    rows = [[policy, variant, *(f"{ms[c]:.2f}" for c in CONTENDERS), f"{ms['fsdp_compose'] / ms['FSDP2']:.2f}"]
+    config, by_dim = result["config"], result["ms_per_step"]  # {"dim 64": {policy: {variant: ms}}}
+    rows = [[dim.removeprefix("dim "), policy, variant, *(f"{ms[c]:.2f}" for c in CONTENDERS),
+             f"{ms['fsdp_compose'] / ms['plain']:.2f}", f"{ms['fsdp_compose'] / ms['FSDP2']:.2f}"]
+            for dim, steps in by_dim.items()
             for policy, by_variant in steps.items() for variant, ms in by_variant.items()]
-    every = [ms for by_variant in steps.values() for ms in by_variant.values()]
+    every = [ms for steps in by_dim.values() for by_variant in steps.values() for ms in by_variant.values()]
     return SECTION.format(
-        dim=max(config["dims"]) if "dims" in config else config["dim"], world=config["world"], rounds=config["rounds"],
-        provenance=provenance(config),
-        table=table(["policy", "AdamW", *CONTENDERS, "fsdp_compose / FSDP2"], "llrrrr", rows),
+        dims=" and ".join(dim.removeprefix("dim ") for dim in by_dim), world=config["world"],
+        rounds=config["rounds"], provenance=provenance(config),
+        table=table(["dim", "policy", "AdamW", *CONTENDERS, "fsdp_compose / plain", "fsdp_compose / FSDP2"],
+                    "lllrrrrr", rows),
         ours_vs_fsdp2=ratio_range([ms["fsdp_compose"] / ms["FSDP2"] for ms in every]),
         plain_gap=ratio_range([ms["fsdp_compose"] / ms["plain"] for ms in every]),
     )

@@ -247,9 +247,11 @@ def synthetic_full_state_dict() -> dict:
 
 
 def synthetic_optimizer() -> dict:
-    config = {**synthetic_full_state_dict()["config"], "dim": 256, "world": 8, "rounds": 9}
+    config = {**synthetic_full_state_dict()["config"], "dims": [64, 256], "world": 8, "rounds": 9}
     steps = {"fsdp_compose": 2.0, "FSDP2": 2.1, "plain": 1.0}
-    return {"config": config, "ms_per_step": {"none": {"foreach": steps, "fused": {**steps, "FSDP2": 1.9}}}}
+    return {"config": config, "ms_per_step": {
+        "dim 64": {"none": {"foreach": steps}},
+        "dim 256": {"none": {"foreach": steps, "fused": {**steps, "FSDP2": 1.9}}}}}
 
 
 def write_results(folder: Path, **results: dict) -> Path:
@@ -266,7 +268,8 @@ def test_report_puts_the_results_figures_on_the_page(tmp_path, capsys):
     page = report_page(results, tmp_path / "docs")
     assert "missing" not in capsys.readouterr().out
     # The optimizer step: by policy and AdamW variant, and the ratios said.
-    for said in ("| none | foreach | 2.00 | 2.10 | 1.00 | 0.95 |",
+    for said in ("| 64 | none | foreach | 2.00 | 2.10 | 1.00 | 2.00 | 0.95 |",
+                 "8 blocks (dim 64 and 256, 12 parameters",
                  "it costs 2.00–2.00 × the plain tensors' time and 0.95–1.05 × FSDP2's"):
         assert said in page, said
     # Whole checkpoints: rank 0's peaks and their ratio.
