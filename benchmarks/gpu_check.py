@@ -10,10 +10,13 @@ In order:
    (FSDP_COMPOSE_TEST_DEVICE=cpu) while tests/test_cuda.py skips;
 2. benchmarks/step.py on one rank: the ~1B Llama with a bf16 policy, eager, then each block
    compiled (--cpu: the aot_eager backend), then the example GPT at 230M in bf16;
-3. one summary in DIR, summary.md and summary.json: pass or fail per test; per benchmark
+3. benchmarks/optimizer.py: AdamW's step alone (for-loop, foreach, fused) over our
+   parameters, FSDP2's and plain tensors of the same shards (--cpu: dim 64, one round);
+4. one summary in DIR, summary.md and summary.json: pass or fail per test; per benchmark
    and contender the step and host time, MFU, the allocator's step peak (CUDA) and the
    bytes copied beyond the model's own; and the deterministic loss comparison: ours
-   against FSDP2, beside FSDP2 against itself (the run-to-run noise).
+   against FSDP2, beside FSDP2 against itself (the run-to-run noise); the optimizer's
+   step against plain tensors', ours and FSDP2's.
 
 The exit status is 0 when every test passed (or skipped for want of a GPU), every benchmark
 ran, its loss fell, and ours differed from FSDP2's by no more than twice FSDP2's own noise
@@ -95,25 +98,41 @@ def junit_outcomes(report: Path) -> dict[str, str]:
     return outcomes
 
 
+OPTIMIZER = {"gpu": ["--rounds", "9", "--calls", "5"], "cpu": ["--dims", "64", "--rounds", "1", "--calls", "1"]}
+
+
 def run_step(name: str, args: list[str], out: Path, timeout: float) -> dict:
     """benchmarks/step.py on one rank; its JSON, or why there is none."""
-    folder = out / name.replace(" ", "_")
+    command = ["-m", "torch.distributed.run", "--nproc_per_node=1", "benchmarks/step.py", *args]
+    return run_benchmark(command, out / name.replace(" ", "_"), "step.json", timeout)
+
+
+def run_benchmark(command: list[str], folder: Path, result: str, timeout: float) -> dict:
+    """One benchmark writing `result` into `folder`; its JSON, or why there is none."""
     start = time.perf_counter()
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
-             "benchmarks/step.py", *args, "--out", str(folder)],
-            cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        )
+        done = subprocess.run([sys.executable, *command, "--out", str(folder)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         log = done.stdout + done.stderr
     except subprocess.TimeoutExpired as expired:
         log, done = f"timed out after {timeout:.0f} s\n{expired.stdout or ''}", None
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "log.txt").write_text(log)
     seconds = time.perf_counter() - start
-    if done is None or done.returncode != 0 or not (folder / "step.json").exists():
+    if done is None or done.returncode != 0 or not (folder / result).exists():
         return {"seconds": seconds, "error": log[-3000:]}
-    return {"seconds": seconds, "result": json.loads((folder / "step.json").read_text())}
+    return {"seconds": seconds, "result": json.loads((folder / result).read_text())}
+
+
+def optimizer_rows(run: dict) -> dict:
+    """Per dim, policy and AdamW variant: ms per step and the ratios to plain tensors'."""
+    if "error" in run:
+        return {"ok": False, **run}
+    rows = {f"{dim.removeprefix('dim ')}, {policy}, {variant}": {
+                **ms, "ours_vs_plain": ms["fsdp_compose"] / ms["plain"], "fsdp2_vs_plain": ms["FSDP2"] / ms["plain"]}
+            for dim, steps in run["result"]["ms_per_step"].items()
+            for policy, by_variant in steps.items() for variant, ms in by_variant.items()}
+    return {"ok": True, "seconds": run["seconds"], "rows": rows}
 
 
 def contender_rows(result: dict) -> dict[str, dict]:
@@ -143,7 +162,7 @@ def loss_verdict(parity: dict) -> dict:
             "loss_falls": parity["loss_falls"], "ok": within and parity["loss_falls"]}
 
 
-def summarise(tests: dict, steps: dict[str, dict], machine: str) -> dict:
+def summarise(tests: dict, steps: dict[str, dict], optimizer: dict, machine: str) -> dict:
     benches = {}
     for name, run in steps.items():
         if "error" in run:
@@ -157,7 +176,8 @@ def summarise(tests: dict, steps: dict[str, dict], machine: str) -> dict:
     failed = [n for n, o in tests["outcomes"].items() if o in ("failed", "error")]
     tests_ok = bool(tests["outcomes"]) and not failed and tests["exit_code"] in (0, 5)
     return {"machine": machine, "tests": {**tests, "failed": failed, "ok": tests_ok},
-            "benchmarks": benches, "ok": tests_ok and all(b["ok"] for b in benches.values())}
+            "benchmarks": benches, "optimizer": optimizer,
+            "ok": tests_ok and all(b["ok"] for b in benches.values()) and optimizer["ok"]}
 
 
 def markdown(summary: dict) -> str:
@@ -184,7 +204,18 @@ def markdown(summary: dict) -> str:
                   f"max |loss - FSDP2's|: fsdp_compose {parity['ours_vs_fsdp2']:.3g}, FSDP2 again "
                   f"{parity['fsdp2_vs_fsdp2']:.3g} ({'within' if parity['within_noise'] else 'ABOVE'} "
                   "FSDP2's own noise)."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + optimizer_markdown(summary["optimizer"])) + "\n"
+
+
+def optimizer_markdown(optimizer: dict) -> list[str]:
+    lines = ["", "## AdamW's step alone (benchmarks/optimizer.py)", ""]
+    if "error" in optimizer:
+        return [*lines, "```", optimizer["error"], "```"]
+    lines += ["| dim, policy, AdamW | fsdp_compose ms | FSDP2 ms | plain ms | ours / plain | FSDP2 / plain |",
+              "|---|---|---|---|---|---|"]
+    return lines + [f"| {name} | {row['fsdp_compose']:.2f} | {row['FSDP2']:.2f} | {row['plain']:.2f} | "
+                    f"{row['ours_vs_plain']:.2f} | {row['fsdp2_vs_plain']:.2f} |"
+                    for name, row in optimizer["rows"].items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         steps[name] = run_step(name, step_args, args.out, args.step_timeout)
         print(f"{name}: {'ok' if 'result' in steps[name] else 'FAILED'} in "
               f"{steps[name]['seconds']:.0f} s", flush=True)
-    summary = summarise(tests, steps, machine)
+    optimizer = optimizer_rows(run_benchmark(
+        ["benchmarks/optimizer.py", *OPTIMIZER[machine]], args.out / "optimizer", "optimizer.json", args.step_timeout))
+    print(f"optimizer: {'ok' if optimizer['ok'] else 'FAILED'}", flush=True)
+    summary = summarise(tests, steps, optimizer, machine)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     (args.out / "summary.md").write_text(markdown(summary))
     print(markdown(summary))

@@ -1,7 +1,8 @@
 """benchmarks/gpu_check.py, the one command of every GPU check, runs its whole sequence on
 the CPU (--cpu: tiny sizes) and its summary says what it saw: every test of the GPU files
 that can run without a GPU passed, each benchmark ran, and the deterministic loss
-comparison is exact (0.0 against FSDP2, and FSDP2 against itself) with a falling loss."""
+comparison is exact (0.0 against FSDP2, and FSDP2 against itself) with a falling loss;
+AdamW's step alone ran for every policy and variant."""
 
 from __future__ import annotations
 
@@ -32,5 +33,8 @@ def test_gpu_check_runs_its_sequence_on_the_cpu(tmp_path):
         assert parity["loss_falls"], (name, bench["losses"])
         assert set(bench["contenders"]) == {"fsdp_compose", "FSDP2", "DDP", "floor"}
         assert bench["contenders"]["fsdp_compose"]["step_ms"] > 0
+    optimizer = summary["optimizer"]["rows"]
+    assert len(optimizer) == 9 and all(row["plain"] > 0 and row["ours_vs_plain"] > 0 for row in optimizer.values())
     page = (tmp_path / "summary.md").read_text()
     assert page.startswith("# GPU check (cpu): PASS") and "FSDP2 again 0" in page
+    assert "| 64, bf16, fused |" in page
