@@ -6,8 +6,7 @@ before running them (see fsdp_compose.plan).
 
 Sizes and batches are one rank's. The GPT is examples/train_gpt.py's (from a source
 checkout), the Llama transformers' LlamaForCausalLM. Progress goes to stderr, the ranked
-table to stdout.
-"""
+table to stdout."""
 
 from __future__ import annotations
 
@@ -82,23 +81,20 @@ def main(argv: list[str] | None = None) -> None:
     tokens = torch.randint(args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     build, loss = _model(args)
     budget = None if args.budget is None else parse_size(args.budget)
-    plans = plan(build, world_size=args.world_size, sample_input=tokens,
-                 memory_budget=budget, loss_fn=loss)
+    plans = plan(build, world_size=args.world_size, sample_input=tokens, memory_budget=budget, loss_fn=loss)
     _report(args, budget, plans)
 
 
 def _report(args: argparse.Namespace, budget: int | None, plans: list[Plan]) -> None:
     """The budget as read, how the setups are ranked, their table, and the best one's calls."""
-    read = "" if budget is None else (
-        f", budget {args.budget} = {budget:,} bytes ({size(budget)}) per rank")
+    read = "" if budget is None else f", budget {args.budget} = {budget:,} bytes ({size(budget)}) per rank"
     print(f"{args.model}, {args.world_size} ranks{read}.")
     print(textwrap.fill(ranking(budget is not None) + " Best first:", width=92) + "\n")
     print(table(plans))
     if plans[0].fits is not False:
         print("\nrealised by:\n" + plans[0].code)
     else:
-        print("\nno setup fits the budget (nearest first above): more ranks, or a smaller "
-              "batch per rank")
+        print("\nno setup fits the budget (nearest first above): more ranks, or a smaller batch per rank")
 
 
 class _CallableModule(types.ModuleType):

@@ -5,8 +5,7 @@
 
 It calls replace_torch_fsdp before the program imports anything, then runs the script or
 module as `__main__` as Python would (its argv, its folder on sys.path, its exit code and
-exceptions). Rank 0 (the RANK variable launchers set) says which implementation is in place.
-"""
+exceptions). Rank 0 (the RANK variable launchers set) says which implementation is in place."""
 
 from __future__ import annotations
 
@@ -32,13 +31,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"fsdp_compose.run: torch.distributed.fsdp.fully_shard is fsdp_compose's "
               f"({len(switch.names)} names rebound)", file=sys.stderr, flush=True)
     if args[0] == "-m":
-        sys.argv = [args[1], *args[2:]]  # run_module puts the module's file in argv[0]
+        sys.argv = args[1:]  # run_module puts the module's file in argv[0]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
     else:
-        script = args[0]
-        sys.argv = [script, *args[1:]]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py`
-        runpy.run_path(script, run_name="__main__")
+        sys.argv = args[:]
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))  # as `python script.py`
+        runpy.run_path(args[0], run_name="__main__")
 
 
 if __name__ == "__main__":

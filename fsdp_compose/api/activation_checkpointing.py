@@ -14,9 +14,7 @@ def checkpoint_blocks(model: nn.Module, block_class: type[nn.Module], every: int
         raise ValueError(f"checkpoint_blocks: every must be a positive int, got {every!r}")
     blocks = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, block_class)]
     if not blocks:
-        raise ValueError(
-            f"checkpoint_blocks: {type(model).__name__} has no {block_class.__name__} modules"
-        )
+        raise ValueError(f"checkpoint_blocks: {type(model).__name__} has no {block_class.__name__} modules")
     chosen = blocks[::every]
     for _, block in chosen:
         checkpoint(block)

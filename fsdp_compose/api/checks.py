@@ -28,14 +28,10 @@ def check_modules(modules: list[nn.Module]) -> None:
         raise ValueError("fully_shard needs a module or a non-empty list of modules, got []")
     for m in modules:
         if not isinstance(m, nn.Module):
-            raise TypeError(
-                f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}"
-            )
+            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
         where = f"fully_shard({type(m).__name__})"
         if state_of(m) is not None:
-            raise ValueError(
-                f"{where}: this module is already annotated; call fully_shard once per module."
-            )
+            raise ValueError(f"{where}: this module is already annotated; call fully_shard once per module.")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(
                 f"{where}: a container without forward is never called, so its unit would never "
@@ -61,8 +57,7 @@ def check_reshard_after_forward(value: object, where: str, shard_size: int | Non
 
 
 def check_options(
-    name: str, reshard_after_forward: object, shard_placement_fn: object, mp_policy: object,
-    offload_policy: object,
+    name: str, reshard_after_forward: object, shard_placement_fn: object, mp_policy: object, offload_policy: object
 ) -> None:
     where = f"fully_shard({name})"
     check_reshard_after_forward(reshard_after_forward, where, None)
@@ -90,11 +85,9 @@ def check_options(
         )
 
 
-def check_dp_mesh_dims(
-    name: str, mesh: DeviceMesh, dims: object, reshard_after_forward: object
-) -> None:
+def check_dp_mesh_dims(where: str, mesh: DeviceMesh, dims: object, reshard_after_forward: object) -> None:
     """dp_mesh_dims names dims of `mesh`, in its order, each to shard or to replicate."""
-    where = f"fully_shard({name}): dp_mesh_dims"
+    where = f"{where}: dp_mesh_dims"
     if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
         raise TypeError(f"{where} must be a DataParallelMeshDims, got {type(dims).__name__}")
     names = mesh.mesh_dim_names
@@ -116,9 +109,8 @@ def check_dp_mesh_dims(
         )
 
 
-def check_spmd_param(name: str, fqn: str, param: nn.Parameter, spmd: SpmdDims) -> None:
+def check_spmd_param(where: str, param: nn.Parameter, spmd: SpmdDims) -> None:
     """With dp_mesh_dims, a DTensor on the full mesh, replicated over the data-parallel dims."""
-    where = f"fully_shard({name}): parameter {fqn!r}"
     if not isinstance(param, DTensor):
         raise ValueError(
             f"{where}: When dp_mesh_dims is provided, all parameters must be DTensors on the "
@@ -137,17 +129,16 @@ def check_spmd_param(name: str, fqn: str, param: nn.Parameter, spmd: SpmdDims) -
             )
 
 
-def check_mesh(
-    name: str, mesh: object, dp_mesh_dims: object = None, reshard_after_forward: object = None
-) -> None:
-    where = f"fully_shard({name})"
+def check_mesh(where: str, mesh: object, dp_mesh_dims: object, reshard_after_forward: object) -> None:
+    """fully_shard's mesh, or one shard_placement_fn returned: this rank's, on a device here."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{where}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     check_rank_in(where, mesh)
     if dp_mesh_dims is not None:
-        check_dp_mesh_dims(name, mesh, dp_mesh_dims, reshard_after_forward)
+        check_dp_mesh_dims(where, mesh, dp_mesh_dims, reshard_after_forward)
     device_type = mesh.device_type
-    if device_type != "cpu" and not _device_available(device_type):
+    is_available = getattr(getattr(torch, device_type, None), "is_available", None)
+    if device_type != "cpu" and not (callable(is_available) and is_available()):
         raise ValueError(
             f"{where}: the mesh is on device type {device_type!r}, which this torch build or "
             f"machine does not have (torch.{device_type}.is_available() is False). Build the "
@@ -160,11 +151,6 @@ def check_mesh(
             "dims with dp_mesh_dims."
         )
     check_reshard_after_forward(reshard_after_forward, where, mesh.size(mesh.ndim - 1))
-
-
-def _device_available(device_type: str) -> bool:
-    is_available = getattr(getattr(torch, device_type, None), "is_available", None)
-    return callable(is_available) and bool(is_available())
 
 
 def unit_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
@@ -186,17 +172,17 @@ def collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> Coll
     return list(found.values())
 
 
-def check_tensor_parallel(name: str, fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
+def check_tensor_parallel(where: str, param: DTensor, mesh: DeviceMesh) -> None:
     """A tensor-parallel parameter composes when its mesh and ours are parts of one mesh."""
     tp_mesh = param.device_mesh
     same_root = tp_mesh._get_root_mesh() == mesh._get_root_mesh()
     overlap = set(tp_mesh.mesh_dim_names or ()) & set(mesh.mesh_dim_names or ())
     if tp_mesh is mesh or not same_root or overlap or not tp_mesh.mesh_dim_names:
         raise ValueError(
-            f"fully_shard({name}): parameter {fqn!r} is a DTensor on mesh {tp_mesh} with "
-            f"{param.placements}, which is not a tensor-parallel part of the same device mesh "
-            f"as fully_shard's mesh {mesh}. Build one mesh, e.g. init_device_mesh(..., "
-            "mesh_dim_names=('dp', 'tp')), parallelize on mesh['tp'] and pass mesh=mesh['dp']."
+            f"{where} is a DTensor on mesh {tp_mesh} with {param.placements}, which is not a "
+            f"tensor-parallel part of the same device mesh as fully_shard's mesh {mesh}. Build one "
+            "mesh, e.g. init_device_mesh(..., mesh_dim_names=('dp', 'tp')), parallelize on "
+            "mesh['tp'] and pass mesh=mesh['dp']."
         )
 
 
@@ -209,20 +195,18 @@ def refuse_post_forward_tensor_parallel(where: str, fqn: str) -> None:
     )
 
 
-def check_params(
-    name: str, collected: Collected, device: torch.device, meshes: list[UnitMesh]
-) -> None:
+def check_params(name: str, collected: Collected, device: torch.device, meshes: list[UnitMesh]) -> None:
     for (fqn, param, _), mesh in zip(collected, meshes):
         where = f"fully_shard({name}): parameter {fqn!r}"
         if mesh.spmd is not None:
-            check_spmd_param(name, fqn, param, mesh.spmd)
+            check_spmd_param(where, param, mesh.spmd)
         elif isinstance(param, DTensor):
             if getattr(param, SHARDED_MARK, False):
                 raise ValueError(
                     f"{where} is already sharded by fully_shard on an enclosing module. Annotate "
                     "bottom-up: inner modules first, then the modules that contain them."
                 )
-            check_tensor_parallel(name, fqn, param, mesh.mesh)
+            check_tensor_parallel(where, param, mesh.mesh)
             if mesh.post_forward_mesh is not None:
                 refuse_post_forward_tensor_parallel(f"fully_shard({name})", fqn)
         if param.ndim == 0:

@@ -96,9 +96,7 @@ class CommSetters:
         settings = _one_mesh(self, "set_all_reduce_hook").settings
         settings.all_reduce_hook, settings.all_reduce_hook_stream = hook, stream
 
-    def set_all_gather_codec(
-        self, codec: AllGatherCodec | None, params: list[str] | None = None
-    ) -> None:
+    def set_all_gather_codec(self, codec: AllGatherCodec | None, params: list[str] | None = None) -> None:
         """Ours: gather the parameters named in `params` (fqns; default all) through `codec`,
         e.g. `Int8RowCodec()`; None sends them plainly again."""
         unit = self._state().unit
@@ -130,9 +128,8 @@ def _one_mesh(module: CommSetters, setter: str) -> Unit:
     unit = module._state().unit
     if len(unit.parts) > 1:
         raise ValueError(
-            f"{type(module).__name__}.{setter} is not supported with parameters on several "
-            "meshes (from per-param mesh via shard_placement_fn); set it on a unit whose "
-            "parameters share one mesh."
+            f"{type(module).__name__}.{setter} is not supported with parameters on several meshes (from "
+            "per-param mesh via shard_placement_fn); set it on a unit whose parameters share one mesh."
         )
     return unit
 

@@ -32,10 +32,9 @@ class FSDPModule(CommSetters):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         raise TypeError(
-            f"copy.deepcopy({type(self).__name__}): an annotated module cannot be deep-copied "
-            "(its units hold process groups and shared buffers). Copy the model before "
-            "fully_shard and annotate the copy, or build a new model, annotate it and "
-            "load_state_dict(model.state_dict())."
+            f"copy.deepcopy({type(self).__name__}): an annotated module cannot be deep-copied (its units "
+            "hold process groups and shared buffers). Copy the model before fully_shard and annotate the "
+            "copy, or build a new model, annotate it and load_state_dict(model.state_dict())."
         )
 
     def _state(self) -> UnitState:
@@ -111,10 +110,10 @@ class FSDPModule(CommSetters):
     def finalize_backward(self, *, async_op: bool) -> GradientReductionHandle | None: ...
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
-        """After a step's backward passes, reduce the gradients held unsharded (no gradient
-        sync) with the current settings and commit them to the `.grad`s; a no-op before the
-        first forward, an error between a forward and its backward. Synchronous: with
-        `async_op`, the handle's wait() returns at once."""
+        """After a step's backward passes, reduce the gradients held unsharded (no gradient sync)
+        with the current settings and commit them to the `.grad`s; a no-op before the first
+        forward, an error between a forward and its backward (synchronous: an `async_op` handle's
+        wait() returns at once)."""
         state = self._state()
         if state.initialised:
             state.root.finalize_backward()
@@ -131,9 +130,7 @@ class FSDPModule(CommSetters):
         for state in self._states(recurse):
             state.settings.requires_all_reduce = requires_all_reduce
 
-    def set_reshard_after_forward(
-        self, reshard_after_forward: bool | int, recurse: bool = True
-    ) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
         """Free the unsharded parameters after forward; an int k keeps them sharded over
         groups of k ranks instead. As fully_shard's argument."""
         states = self._states(recurse)
@@ -145,10 +142,8 @@ class FSDPModule(CommSetters):
                 if smaller and (tp := [p.fqn for p in part.params if p.is_tensor_parallel]):
                     refuse_post_forward_tensor_parallel(where, tp[0])
         for state in states:
-            resolved = [
-                resolve_reshard_after_forward(reshard_after_forward, part.device_mesh)
-                for part in state.unit.parts
-            ]
+            parts = state.unit.parts
+            resolved = [resolve_reshard_after_forward(reshard_after_forward, p.device_mesh) for p in parts]
             state.unit.set_post_forward_meshes([mesh for _, mesh in resolved])
             state.settings.reshard_after_forward = resolved[-1][0]
 
@@ -180,9 +175,7 @@ class FSDPModule(CommSetters):
 
 def annotated_states(modules: list[FSDPModule], where: str) -> list[UnitState]:
     if bad := [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]:
-        raise ValueError(
-            f"{where}: {bad} are not annotated; pass modules that fully_shard annotated."
-        )
+        raise ValueError(f"{where}: {bad} are not annotated; pass modules that fully_shard annotated.")
     return [m._state() for m in modules]
 
 

@@ -44,16 +44,14 @@ def _annotated_class(cls: type) -> type:
 
 @overload
 def fully_shard(
-    module: nn.Module, *, mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
+    module: nn.Module, *, mesh: DeviceMesh | None = ..., reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: ShardPlacementFn | None = ..., mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ..., ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ..., sync_module_states: bool = ...,
 ) -> FSDPModule: ...
 @overload
 def fully_shard(
-    module: list[nn.Module], *, mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
+    module: list[nn.Module], *, mesh: DeviceMesh | None = ..., reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: ShardPlacementFn | None = ..., mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ..., ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ..., sync_module_states: bool = ...,
@@ -61,15 +59,10 @@ def fully_shard(
 
 
 def fully_shard(
-    module: nn.Module | list[nn.Module],
-    *,
-    mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: ShardPlacementFn | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: OffloadPolicy = OffloadPolicy(),
-    ignored_params: set[nn.Parameter] | None = None,
-    dp_mesh_dims: DataParallelMeshDims | None = None,
+    module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None, shard_placement_fn: ShardPlacementFn | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: DataParallelMeshDims | None = None,
     sync_module_states: bool = False,
 ) -> FSDPModule | list[FSDPModule]:
     """Shard `module`'s parameters over `mesh`; gather them only while it computes.
@@ -95,7 +88,7 @@ def fully_shard(
     mp_policy, offload_policy = adopt_policy(mp_policy), adopt_policy(offload_policy)
     check_options(name, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh(name)
-    check_mesh(name, mesh, dp_mesh_dims, reshard_after_forward)
+    check_mesh(f"fully_shard({name})", mesh, dp_mesh_dims, reshard_after_forward)
     resolved = unit_mesh(mesh, reshard_after_forward, dp_mesh_dims)
     collected = collect_params(modules, set(ignored_params or ()))
     collected, borrowed = _split_tied(name, collected, resolved, mp_policy)
@@ -116,22 +109,17 @@ def fully_shard(
 def _split_tied(
     name: str, collected: Collected, resolved: UnitMesh, mp_policy: MixedPrecisionPolicy
 ) -> tuple[Collected, list[Borrowed]]:
-    own: Collected = []
-    borrowed: list[Borrowed] = []
-    for fqn, param, holders in collected:
-        if (owner := owner_of(param)) is None:
-            own.append((fqn, param, holders))
-        else:
-            borrowed.append(Borrowed(fqn, *owner, holders))
-            check_borrowable(name, borrowed[-1], resolved, mp_policy)
-    return own, borrowed
+    owners = [owner_of(param) for _, param, _ in collected]
+    borrowed = [Borrowed(fqn, *o, holders) for (fqn, _, holders), o in zip(collected, owners) if o]
+    for tied in borrowed:
+        check_borrowable(name, tied, resolved, mp_policy)
+    return [c for c, owner in zip(collected, owners) if owner is None], borrowed
 
 
 def _annotate(
-    modules: list[nn.Module], name: str, collected: Collected,
-    placements: list[tuple[int, UnitMesh]], policies: list[MixedPrecisionPolicy],
-    borrowed: list[Borrowed], resolved: UnitMesh, mp_policy: MixedPrecisionPolicy,
-    offload: CPUOffloadPolicy | None,
+    modules: list[nn.Module], name: str, collected: Collected, placements: list[tuple[int, UnitMesh]],
+    policies: list[MixedPrecisionPolicy], borrowed: list[Borrowed], resolved: UnitMesh,
+    mp_policy: MixedPrecisionPolicy, offload: CPUOffloadPolicy | None,
 ) -> None:
     """Shard the checked parameters, build the unit, install its hooks, borrow the tied."""
     params = [
@@ -139,7 +127,13 @@ def _annotate(
         for (fqn, p, owners), (dim, param_mesh), policy in zip(collected, placements, policies)
     ]
     move_buffers(modules, resolved.device)
-    unit = _unit_of(params, [param_mesh for _, param_mesh in placements], resolved, name)
+    # One part per mesh of the parameters (see shard_placement_fn), the unit's mesh first.
+    by_mesh: dict[int, tuple[UnitMesh, list[ShardedParam]]] = {id(resolved): (resolved, [])}
+    for param, (_, param_mesh) in zip(params, placements):
+        by_mesh.setdefault(id(param_mesh), (param_mesh, []))[1].append(param)
+    settings = UnitSettings(reshard_after_forward=resolved.reshard_after_forward)
+    unit = Unit([MeshPart(group, mesh, name, settings) for mesh, group in by_mesh.values()], settings)
+    unit.set_post_forward_meshes([mesh.post_forward_mesh for mesh, _ in by_mesh.values()])
     state = UnitState(modules, unit, mp_policy)
     for (_, original, _), param in zip(collected, params):
         setattr(param.sharded, SHARDED_MARK, True)
@@ -156,19 +150,6 @@ def _annotate(
     mark_replaced(name, ((fqn, param) for fqn, param, _ in collected))
     for tied in borrowed:
         lend(tied, state)
-
-
-def _unit_of(
-    params: list[ShardedParam], meshes: list[UnitMesh], resolved: UnitMesh, name: str
-) -> Unit:
-    """One part per mesh of the parameters (see shard_placement_fn), the unit's mesh first."""
-    by_mesh: dict[int, tuple[UnitMesh, list[ShardedParam]]] = {id(resolved): (resolved, [])}
-    for param, mesh in zip(params, meshes):
-        by_mesh.setdefault(id(mesh), (mesh, []))[1].append(param)
-    settings = UnitSettings(reshard_after_forward=resolved.reshard_after_forward)
-    unit = Unit([MeshPart(group, mesh, name, settings) for mesh, group in by_mesh.values()], settings)
-    unit.set_post_forward_meshes([mesh.post_forward_mesh for mesh, _ in by_mesh.values()])
-    return unit
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:

@@ -134,9 +134,7 @@ def unit_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
     return [b for owner in owners for b in owner._buffers.values() if b is not None]
 
 
-def sync_from_first_rank(
-    tensors: Iterable[torch.Tensor], mesh: DeviceMesh, device: torch.device
-) -> None:
+def sync_from_first_rank(tensors: Iterable[torch.Tensor], mesh: DeviceMesh, device: torch.device) -> None:
     """Overwrite `tensors` (DTensors: their local tensor; not meta ones) on every rank of the
     data-parallel `mesh` with its first rank's: one broadcast per dtype and mesh dim."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

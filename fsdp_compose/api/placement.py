@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..comm.meshes import UnitMesh, unit_mesh
-from .checks import check_mesh, check_rank_in, check_reshard_after_forward
+from .checks import check_mesh
 
 ShardPlacementFn = Callable[[nn.Parameter], Any]
 
@@ -37,7 +37,7 @@ def shard_placements(
         if info is not None:
             key = (info.mesh, getattr(info, "spmd_mesh", None))
             if key not in meshes:
-                meshes[key] = _other_mesh(name, where, info, mesh, reshard_after_forward)
+                meshes[key] = _other_mesh(where, info, mesh, reshard_after_forward)
             resolved = meshes[key]
         placements.append((_shard_dim(where, param, placement, resolved), resolved))
     return placements
@@ -53,9 +53,7 @@ def _placement_and_mesh_info(where: str, result: object) -> tuple[object, Any]:
     return result.placement, info
 
 
-def _other_mesh(
-    name: str, where: str, info: Any, mesh: UnitMesh, reshard_after_forward: bool | int | None,
-) -> UnitMesh:
+def _other_mesh(where: str, info: Any, mesh: UnitMesh, reshard_after_forward: bool | int | None) -> UnitMesh:
     """A parameter's own mesh (MoE experts beside dense parameters), resolved like a unit's."""
     spmd_mesh, dims = getattr(info, "spmd_mesh", None), getattr(info, "dp_mesh_dims", None)
     if (spmd_mesh is None or dims is None) != (mesh.spmd is None):
@@ -66,18 +64,9 @@ def _other_mesh(
             f"sharded with {unit_kind}: build every mesh info the same way (with dp_mesh_dims "
             "and the full SPMD mesh when fully_shard gets dp_mesh_dims)."
         )
-    if spmd_mesh is not None and dims is not None:
-        check_mesh(name, spmd_mesh, dims, reshard_after_forward)
-        return unit_mesh(spmd_mesh, reshard_after_forward, dims)
-    own_mesh: DeviceMesh = info.mesh
-    check_rank_in(where, own_mesh)
-    if own_mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"{where} returned a ShardPlacementResult on a {own_mesh.ndim}-D mesh; pass a 1-D "
-            "(shard) or a 2-D (replicate, shard) mesh."
-        )
-    check_reshard_after_forward(reshard_after_forward, where, own_mesh.size(own_mesh.ndim - 1))
-    return unit_mesh(own_mesh, reshard_after_forward)
+    own_mesh, dims = (info.mesh, None) if mesh.spmd is None else (info.spmd_mesh, dims)
+    check_mesh(where, own_mesh, dims, reshard_after_forward)
+    return unit_mesh(own_mesh, reshard_after_forward, dims)
 
 
 def _shard_dim(where: str, param: nn.Parameter, placement: object, mesh: UnitMesh) -> int:
@@ -85,21 +74,17 @@ def _shard_dim(where: str, param: nn.Parameter, placement: object, mesh: UnitMes
         return 0
     if not isinstance(placement, Shard):
         raise ValueError(
-            f"{where} returned {placement!r}; return Shard(dim), a ShardPlacementResult or "
-            "None (dim 0)."
+            f"{where} returned {placement!r}; return Shard(dim), a ShardPlacementResult or None (dim 0)."
         )
     local = param._local_tensor if isinstance(param, DTensor) else param
     ndim, dim = local.ndim, placement.dim
     if not -ndim <= dim < ndim:
-        raise ValueError(
-            f"{where} returned Shard({dim}), out of range for its shape {tuple(local.shape)}."
-        )
+        raise ValueError(f"{where} returned Shard({dim}), out of range for its shape {tuple(local.shape)}.")
     dim %= ndim
     if dim != 0 and local.shape[dim] % mesh.shard_size:
         raise NotImplementedError(
             f"{where} returned Shard({placement.dim}): its size {local.shape[dim]} on dim {dim} "
-            f"does not split evenly over {mesh.shard_size} shard ranks, which torch's "
-            "fully_shard refuses too (only dim 0 may split unevenly). Shard it on dim 0 or on "
-            "an evenly divisible dim."
+            f"does not split evenly over {mesh.shard_size} shard ranks, which torch's fully_shard refuses "
+            "too (only dim 0 may split unevenly). Shard it on dim 0 or on an evenly divisible dim."
         )
     return dim

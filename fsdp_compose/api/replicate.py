@@ -12,11 +12,8 @@ from .fully_shard import fully_shard
 
 
 def replicate(
-    module: nn.Module | list[nn.Module],
-    *,
-    mesh: DeviceMesh | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: OffloadPolicy = OffloadPolicy(),
+    module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
 ) -> FSDPModule | list[FSDPModule]:
     """Ours: keep `module`'s parameters whole on every rank of the 1-D `mesh` and average

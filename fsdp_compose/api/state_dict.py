@@ -38,9 +38,7 @@ def _keys(
                 yield f"{prefix}{name}.{attr}" if name else f"{prefix}{attr}", param, owner, attr
 
 
-def _report_sharded(
-    state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str
-) -> None:
+def _report_sharded(state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
     """Put the shards where state_dict() found unsharded parameters."""
     if not state.unit.is_unsharded and not state.borrowed_params:
         return
@@ -50,9 +48,7 @@ def _report_sharded(
             state_dict[key] = param.sharded if kept_vars else param.sharded.detach()
 
 
-def _shard_loaded(
-    state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str
-) -> None:
+def _shard_loaded(state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
     """Load into the shards: reshard the unit (its unsharded data would be stale) and cut
     whole tensors to this rank's shard; other shapes go on to load_state_dict's error."""
     if state.unit.is_unsharded:
@@ -64,6 +60,5 @@ def _shard_loaded(
         state.unit.reshard()
     for key, param, _, _ in _keys(state, module, prefix):
         value = state_dict.get(key)
-        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            if value.shape == param.shape:
-                state_dict[key] = param.shard_of(value)
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+            state_dict[key] = param.shard_of(value)

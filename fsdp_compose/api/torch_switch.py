@@ -1,11 +1,11 @@
 """replace_torch_fsdp(): for this process, torch's public FSDP2 names are fsdp_compose's, so
 frameworks that call torch's fully_shard (torchtitan, accelerate, Lightning) run on ours.
 The one module naming torch's FSDP modules: it rebinds names there when called and never
-imports torch's implementation otherwise (docs/design.md, "Frameworks"). FSDP1 is left alone.
-"""
+imports torch's implementation otherwise (docs/design.md, "Frameworks"). FSDP1 is left alone."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import sys
@@ -33,7 +33,7 @@ OURS: dict[str, object] = {
 }
 
 
-class TorchFSDPSwitch:
+class TorchFSDPSwitch(contextlib.AbstractContextManager["TorchFSDPSwitch"]):
     """What replace_torch_fsdp() rebound; `restore()`, or leaving `with`, puts torch's back."""
 
     def __init__(self, replaced: list[tuple[ModuleType, str, object]]) -> None:
@@ -50,9 +50,6 @@ class TorchFSDPSwitch:
             setattr(module, name, original)
         self._replaced = []
 
-    def __enter__(self) -> TorchFSDPSwitch:
-        return self
-
     def __exit__(self, *exc_info: object) -> None:
         self.restore()
 
@@ -67,13 +64,19 @@ def replace_torch_fsdp() -> TorchFSDPSwitch:
     if getattr(torch_fsdp, "fully_shard", None) is fully_shard:
         return TorchFSDPSwitch([])
     originals = {name: getattr(torch_fsdp, name) for name in OURS if hasattr(torch_fsdp, name)}
-    if annotated := _annotated_by(originals["FSDPModule"]):
+    theirs = originals["FSDPModule"]
+    # type(), not isinstance: some objects warn when their __class__ is read.
+    if annotated := sorted({type(o).__name__ for o in gc.get_objects() if issubclass(type(o), theirs)}):
         raise RuntimeError(
             f"replace_torch_fsdp: torch's fully_shard already annotated {annotated} in this "
             "process, and fsdp_compose cannot take over a model torch's runtime holds. Switch "
             "before building the model: python -m fsdp_compose.run your_script.py."
         )
-    if early := _bound_early(originals):
+    if early := sorted(  # modules outside torch and ours holding one of torch's names as their own
+        name for name, module in list(sys.modules.items())
+        if name.split(".")[0] not in ("torch", "fsdp_compose")
+        and any(getattr(module, "__dict__", {}).get(n) is obj for n, obj in originals.items())
+    ):
         warnings.warn(
             f"replace_torch_fsdp: {early} imported torch's FSDP names before the switch and "
             "keep them (torch's fully_shard there). Start the program with python -m "
@@ -92,19 +95,3 @@ def _imported(name: str) -> ModuleType | None:
     except ImportError:  # a re-export this torch does not have
         return None
 
-
-def _annotated_by(torch_fsdp_module: object) -> list[str]:
-    """The classes of live modules torch's fully_shard annotated."""
-    assert isinstance(torch_fsdp_module, type)
-    # type(), not isinstance: some objects warn when their __class__ is read.
-    found = {type(o).__name__ for o in gc.get_objects() if issubclass(type(o), torch_fsdp_module)}
-    return sorted(found)
-
-
-def _bound_early(originals: dict[str, object]) -> list[str]:
-    """Modules outside torch and fsdp_compose holding one of torch's names as their own."""
-    return sorted(
-        name for name, module in list(sys.modules.items())
-        if name.split(".")[0] not in ("torch", "fsdp_compose")
-        and any(getattr(module, "__dict__", {}).get(n) is obj for n, obj in originals.items())
-    )
