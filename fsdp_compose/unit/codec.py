@@ -48,10 +48,8 @@ class Int8RowCodec:
 def encode_shards(
     params: list[ShardedParam], codecs: dict[ShardedParam, AllGatherCodec], device: torch.device,
 ) -> tuple[torch.Tensor, list[int]]:
-    """The bytes a rank sends when some of a unit's parameters have codecs or all-gather
-    hooks or the unit's parameters gather in different dtypes, and each parameter's share of
-    them: its encoding (or its shard in its param_dtype), padded to 8 bytes so that every
-    piece of the gathered rows can be viewed in any dtype again."""
+    """What a rank sends with codecs, all-gather hooks or mixed dtypes, and each parameter's
+    share: its encoding (or shard), padded to 8 bytes to be viewed in any dtype again."""
     pieces = []
     for p in params:
         if p.extension is not None:  # the hooks choose: see param/extension.py
@@ -59,8 +57,7 @@ def encode_shards(
             pieces.append(p.extension.encode(local))
             continue
         shard = p.padded_shard.to(device, non_blocking=True)
-        codec = codecs.get(p)
-        if codec is None:
+        if (codec := codecs.get(p)) is None:
             data = shard.to(p.param_dtype)
         else:
             data = codec.encode(shard, p.layout.padded_rows, p.layout.row_numel)
@@ -73,11 +70,8 @@ def decode_rows(
     gathered: torch.Tensor, sizes: list[int], params: list[ShardedParam],
     codecs: dict[ShardedParam, AllGatherCodec], outs: list[torch.Tensor],
 ) -> bool:
-    """Write each parameter's unsharded data into `outs` (its ShardedParam.gather_target)
-    from the gathered bytes (row r: rank r's encode_shards). A codec decodes into rows,
-    (ranks, padded shard numel): a target sharded on a dim other than 0 (strided, more
-    than 2-D) takes them afterwards. A parameter with all-gather hooks builds its own;
-    returns whether one built a new unsharded parameter (the first time)."""
+    """Write each parameter's unsharded data into `outs` from the gathered bytes (row r: rank
+    r's encode_shards); whether all-gather hooks built a new unsharded parameter (at first)."""
     built = False
     for out, p, data in zip(outs, params, torch.split(gathered, sizes, dim=1)):
         if p.extension is not None:
@@ -85,11 +79,12 @@ def decode_rows(
             if new is not None:
                 p.unsharded, built = new, True
             continue
-        codec = codecs.get(p)
-        if codec is None:  # the bytes are the shards in the parameter's dtype: one copy
+        if (codec := codecs.get(p)) is None:  # the bytes are the shards in the parameter's dtype: one copy
             values = data[:, : p.layout.padded_shard_numel * out.element_size()].view(out.dtype)
             out.copy_(values.view(out.shape))
             continue
+        # A codec decodes into (ranks, padded shard numel) rows: a target sharded on another
+        # dim than 0 (strided, more than 2-D) takes them afterwards.
         rows = out if out.dim() == 2 else out.new_empty(out.shape[0], p.layout.padded_shard_numel)
         codec.decode(data, rows, p.layout.padded_rows, p.layout.row_numel)
         if rows is not out:

@@ -1,6 +1,5 @@
 """Gathering a unit: one all-gather of every parameter's shard into the unsharded
-parameters, and back (reshard), over the memory layout of unit/layout.py. A group of one
-rank gathers nothing: its shards are its unsharded data, or are cast into it."""
+parameters, and back (reshard), over the memory layout of unit/layout.py."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from ..comm import observer as _observer
 from ..comm.collectives import ReusedBuffer, all_gather, allocate, collective_failed
 from .codec import decode_rows, encode_shards
 from .held import GATHERED, POST_FORWARD, UNSHARDED
-from .layout import CastIn, Layout
+from .layout import Layout
 from .part import MeshPart
 from .post_forward import PostForwardShards
 
@@ -22,20 +21,17 @@ from .post_forward import PostForwardShards
 class _Gather(NamedTuple):
     """An all-gather in flight: its result (row r: rank r's shards) and how to copy it out."""
 
-    gathered: torch.Tensor  # (rows, columns)
+    gathered: torch.Tensor  # (ranks gathered from, columns)
     work: Work | torch.Event | None  # wait(): gloo blocks; an event orders the compute stream
-    rows: int  # ranks gathered from
     sizes: list[int]  # each parameter's padded shard, per row (bytes if encoded)
     encoded: bool  # uint8 rows of codec encodings; see encode_shards
-    inputs: list[torch.Tensor] | None  # kept until waited for; see comm/streams.py
+    inputs: list[torch.Tensor] | None  # the kept pieces sent, alive until waited for (comm/streams.py)
     layout: Layout  # the part's when it started: where the rows land
-    from_post_forward: bool = False
 
 
 class Gatherer:
-    """Unshards a part's parameters with one all-gather and reshards them. With a
-    post-forward mesh (reshard_after_forward=<int>), resharding after forward keeps a piece
-    of each parameter sharded over a smaller group, and the next unshard gathers there."""
+    """Unshards a part's parameters with one all-gather and reshards them; with a post-forward
+    mesh, a reshard after forward keeps pieces (see PostForwardShards) the next unshard gathers."""
 
     def __init__(self, part: MeshPart) -> None:
         self._part = part
@@ -53,20 +49,13 @@ class Gatherer:
             self._check_extended()
         self._post_forward = None if mesh is None else PostForwardShards(self.params, mesh)
 
-    def _layout_changed(self) -> None:
-        """The part was laid out anew: its unsharded storages come freed."""
-        self._allocated = None
-        if self._post_forward is not None:
-            self._check_extended()
-
     def held_by_kind(self) -> dict[str, int]:
-        """Bytes held beyond the shards, by kind (see MeshPart.held_by_kind)."""
+        """Bytes held beyond the shards, by kind (see Unit.held_by_kind)."""
         storages = () if self._allocated is None else self._allocated.storages
-        post_forward = self._post_forward
         return {
             UNSHARDED: sum(storage.nbytes() for storage, _ in storages),
             GATHERED: self._buffer.nbytes(),
-            POST_FORWARD: 0 if post_forward is None else post_forward.nbytes(),
+            POST_FORWARD: 0 if self._post_forward is None else self._post_forward.nbytes(),
         }
 
     @property
@@ -74,31 +63,30 @@ class Gatherer:
         return self._pending is not None
 
     def unshard(self, async_op: bool = False) -> None:
-        """Gather the parameters; with `async_op` only start, and finish in
-        `wait_for_unshard` (or in an unshard without it)."""
+        """Gather the parameters; with `async_op` only start (`wait_for_unshard` finishes)."""
         if self._pending is not None:
             if not async_op:
                 self.wait_for_unshard()
             return
         if self.is_unsharded or not self.params:
             return
-        part = self._part
-        side = part.streams
-        post_forward = self._post_forward
+        part, side, post_forward = self._part, self._part.streams, self._post_forward
         if post_forward is not None and post_forward.is_kept:  # inside the smaller group
             group, sizes, inputs = post_forward.group, post_forward.sizes, post_forward.take()
-            rows = group.size()
-            written_on_compute = True
+            rows, written_on_compute = group.size(), True
         else:
             written_on_compute = part.layout is None
             layout = part.lay_out() if written_on_compute else part.layout
-            if written_on_compute:
-                self._layout_changed()
-            if layout is not None and layout.zero_copy:
-                self._register_unsharded()  # the shards are the unsharded data
-                return
-            if layout is not None and layout.cast_in is not None:
-                self._cast_in(layout, layout.cast_in)
+            if written_on_compute:  # a new layout: its unsharded storages come freed
+                self._allocated = None
+                if self._post_forward is not None:
+                    self._check_extended()
+            if layout is not None and (layout.zero_copy or layout.cast_in is not None):
+                if layout.cast_in is not None:  # one foreach copy, on this stream: see CastIn
+                    self._allocate(layout)
+                    cast_in = layout.cast_in
+                    torch._foreach_copy_(cast_in.targets, cast_in.shards, non_blocking=True)
+                self._register(unsharded=True)  # zero_copy: the shards are the unsharded data
                 return
             mesh = part.mesh
             group, rows, sizes, inputs = mesh.shard_group, mesh.shard_size, part.sizes, None
@@ -130,8 +118,13 @@ class Gatherer:
         elif part.settings.codecs or layout.dtypes.mixed_dtypes or layout.extended:  # see encode_shards
             shards, sizes = encode_shards(self.params, part.settings.codecs, part.device)
             encoded = True
-        else:
-            shards, spec = self._flat_shard(layout), layout.gather_spec
+        elif (flat_shard := layout.flat) is None:  # shards of several dtypes or devices
+            dtype = layout.dtypes.param_dtype
+            shards = torch.cat([p.padded_shard.to(part.device, dtype) for p in self.params])
+        else:  # gathered in param_dtype (mixed precision), from the device (CPU offload)
+            shards, spec = flat_shard, layout.gather_spec
+            if layout.flat_needs_cast:
+                shards = flat_shard.to(part.device, layout.dtypes.param_dtype, non_blocking=True)
         if spec is None:
             spec = ((rows, shards.numel()), shards.dtype, part.device)
         custom = part.settings.custom_all_gather
@@ -150,14 +143,7 @@ class Gatherer:
             raise collective_failed(part.label, "all-gather", rows, error) from error
         if observer is not None:
             observer.end(part, _observer.ISSUE_GATHER, gathered.nbytes)
-        return _Gather(gathered, work, rows, sizes, encoded, inputs, layout, inputs is not None)
-
-    def _cast_in(self, layout: Layout, cast_in: CastIn) -> None:
-        """One rank: cast (and move) each shard straight into its unsharded data, on the
-        current stream, and register the unsharded parameters (see CastIn)."""
-        self._allocate(layout)
-        torch._foreach_copy_(cast_in.targets, cast_in.shards, non_blocking=True)
-        self._register_unsharded()
+        return _Gather(gathered, work, sizes, encoded, inputs, layout)
 
     def _allocate(self, layout: Layout) -> None:
         """Give `layout`'s unsharded storages their bytes, unless they hold them already."""
@@ -175,58 +161,51 @@ class Gatherer:
                 "cannot keep a piece of (torch's fully_shard refuses this too); pass a bool."
             )
 
-    def _flat_shard(self, layout: Layout) -> torch.Tensor:
-        """Every parameter's padded shard, back to back, in param_dtype (mixed precision
-        gathers the dtype that computes) on the device (CPU offload gathers there)."""
-        part, flat = self._part, layout.flat
-        dtype = layout.dtypes.param_dtype
-        if flat is None:
-            return torch.cat([p.padded_shard.to(part.device, dtype) for p in self.params])
-        if layout.flat_needs_cast:
-            return flat.to(part.device, dtype, non_blocking=True)
-        return flat
-
     def wait_for_unshard(self) -> None:
         """Finish a started all-gather: copy out into the unsharded parameters, register them."""
-        if self._pending is None:
+        if (gather := self._pending) is None:
             return
-        gather, part = self._pending, self._part
-        self._pending = None
+        part, self._pending = self._part, None
         if (observer := _observer.current) is not None:
             observer.begin(part, _observer.WAIT_GATHER)
         if gather.work is not None:
             try:
                 gather.work.wait()
             except RuntimeError as error:
-                raise collective_failed(part.label, "all-gather", gather.rows, error) from error
-        layout = gather.layout
-        self._allocate(layout)
-        self._copy_out(gather, layout)
+                ranks = gather.gathered.shape[0]
+                raise collective_failed(part.label, "all-gather", ranks, error) from error
+        self._allocate(gather.layout)
+        self._copy_out(gather)
         self._buffer.release()
         if part.streams is not None:
             part.streams.copied_out()
-        self._register_unsharded()
+        self._register(unsharded=True)
         if observer is not None:
             observer.end(part, _observer.WAIT_GATHER)
 
-    def _register_unsharded(self) -> None:
+    def _register(self, unsharded: bool) -> None:
+        """Register the unsharded (or the sharded) parameters on their modules."""
         if (layout := self._part.layout) is not None:
-            for parameters, _, unsharded in layout.registrations:
-                parameters.update(unsharded)
-        else:  # a parameter changed since the gather began: it knows its forms
+            form = 2 if unsharded else 1  # see OwnerForms
+            for forms in layout.registrations:
+                forms[0].update(forms[form])
+        else:  # a parameter changed since the layout: it knows its forms
             for p in self.params:
-                p.to_unsharded()
-        self.is_unsharded = True
+                if unsharded:
+                    p.to_unsharded()
+                else:
+                    p.to_sharded()
+        self.is_unsharded = unsharded
 
-    def _copy_out(self, gather: _Gather, layout: Layout) -> None:
+    def _copy_out(self, gather: _Gather) -> None:
         """Write the gathered rows into each parameter's unsharded data."""
-        part, targets, gathered = self._part, layout.targets, gather.gathered
-        if gather.from_post_forward:
+        part, targets, gathered = self._part, gather.layout.targets, gather.gathered
+        if gather.inputs is not None:
             assert self._post_forward is not None
             self._post_forward.copy_out(gathered, part.all_dim0)
         elif gather.encoded:
             if decode_rows(gathered, gather.sizes, self.params, part.settings.codecs, targets):
-                part.registrations_changed(layout)  # a hook built an unsharded parameter
+                part.registrations_changed(gather.layout)  # a hook built an unsharded parameter
         elif part.all_dim0:
             torch.split_with_sizes_copy(gathered, gather.sizes, dim=1, out=targets)
         else:  # some parameter is sharded on another dim: its target is strided
@@ -245,14 +224,8 @@ class Gatherer:
             return
         if post_forward is not None:
             post_forward.keep()
-        layout = self._part.layout
-        if layout is not None:
-            for parameters, sharded, _ in layout.registrations:
-                parameters.update(sharded)
-        else:  # a parameter changed since the layout: it knows its forms
-            for p in self.params:
-                p.to_sharded()
-        keep = self._part.settings.keep_unsharded_storage
+        self._register(unsharded=False)
+        keep = self._part.settings.keep_unsharded_storage  # e.g. for CUDA graphs
         if not keep and (allocated := self._allocated) is not None:
             for storage, _ in allocated.storages:
                 storage.resize_(0)
@@ -260,4 +233,3 @@ class Gatherer:
             for p in allocated.extended:
                 assert p.extension is not None
                 p.extension.free()
-        self.is_unsharded = False

@@ -1,14 +1,9 @@
 """A unit's gradient ledger: every gradient held back between a backward and the sharded
 `.grad`s, as pending (this backward's) or committed (earlier backwards').
 
-Note [gradients per backward]: a backward's gradients count only once it has finished.
-Until then autograd writes this backward's unsharded gradient into `unsharded.grad`, and
-the ledger keeps apart what it may still undo: the reduced shards (`_pending_shard`),
-which earlier sums a reduction spent, and the HSDP
-partial sums it made. Committed are the unsharded sums of backwards without gradient sync
-(`_accumulated`) and the HSDP partial sums of backwards without all-reduce (`_partial`).
-The end of backward commits; a backward that raised is discarded, leaving what earlier
-backwards accumulated as it was.
+Note [gradients per backward]: a backward's gradients count only once it has finished (the
+end of backward commits); until then the ledger keeps apart what it may still undo. A
+backward that raised is discarded, leaving what earlier backwards accumulated as it was.
 """
 
 from __future__ import annotations
@@ -23,19 +18,19 @@ from ..param.sharded_param import ShardedParam
 class GradLedger:
     def __init__(self, params: list[ShardedParam]) -> None:
         self._params = params
-        # Committed: unsharded sums without sync, in reduce_dtype; HSDP partial sums.
+        # Committed: the unsharded sums of backwards without gradient sync (in reduce_dtype),
+        # and the HSDP partial sums of backwards without all-reduce.
         self._accumulated: dict[ShardedParam, torch.Tensor] = {}
         self._partial: dict[ShardedParam, torch.Tensor] = {}
-        # Pending: this backward's reduced shards, the committed sums a reduction included,
-        # new partial sums.
+        # Pending: this backward's reduced shards, which committed sums a reduction spent,
+        # the HSDP partial sums it made, and which earlier ones an all-reduce spent.
         self._pending_shard: dict[ShardedParam, torch.Tensor] = {}
         self._spent_accumulated: set[ShardedParam] = set()
         self._pending_partial: dict[ShardedParam, torch.Tensor] = {}
         self._spent_partial: set[ShardedParam] = set()
 
     def nbytes(self) -> int:
-        """What the ledger holds: reduced shards of this backward, and sums kept between
-        backwards (without gradient sync; HSDP's partial sums)."""
+        """What the ledger holds (reduced shards, and sums kept between backwards)."""
         kept = [*self._pending_shard.values(), *self._accumulated.values(),
                 *self._partial.values(), *self._pending_partial.values()]
         return sum(t.nbytes for t in kept)
@@ -46,8 +41,7 @@ class GradLedger:
         return bool(self._accumulated) or any(p.unsharded.grad is not None for p in self._params)
 
     def take_unsharded(self, p: ShardedParam) -> torch.Tensor | None:
-        """For a reduction: p's unsharded gradient summed over the backwards since the last
-        reduction. Takes this backward's gradient; the earlier sum stays until `commit`."""
+        """p's unsharded gradient summed since the last reduction (the earlier sum kept till commit)."""
         grad = p.pop_unsharded_grad()
         accumulated = self._accumulated.get(p)
         if accumulated is None or p in self._spent_accumulated:
@@ -58,12 +52,11 @@ class GradLedger:
     # -- HSDP partial sums (set_requires_all_reduce(False)) --------------------------------
 
     def has_partial(self, p: ShardedParam) -> bool:
-        """Whether `p` has a partial sum to take (then it takes part in the reduction)."""
+        """Whether `p` has a partial sum to take (so it takes part in the reduction)."""
         return p in self._pending_partial or (p in self._partial and p not in self._spent_partial)
 
     def take_partial(self, p: ShardedParam) -> torch.Tensor | None:
-        """p's partial sum so far, including an earlier reduction in this backward, but not
-        one an all-reduce already spent."""
+        """p's partial sum so far (an earlier reduction's in this backward; none once spent)."""
         if p in self._pending_partial:
             return self._pending_partial.pop(p)
         return None if p in self._spent_partial else self._partial.get(p)
@@ -79,8 +72,7 @@ class GradLedger:
     # -- reduced shards ----------------------------------------------------------------------
 
     def hold(self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor) -> None:
-        """Keep reduced gradient shards (padded, back to back; `sizes` each) until the
-        backward finishes; a second reduction in this backward adds to the first's."""
+        """Keep reduced shards (`sizes` each) until backward ends; a second reduction adds."""
         pending = self._pending_shard
         for p, shard in zip(params, torch.split_with_sizes(reduced, sizes)):
             earlier = pending.get(p)
@@ -89,10 +81,8 @@ class GradLedger:
     # -- the end of a backward ---------------------------------------------------------------
 
     def commit(self) -> None:
-        """The backward finished: its reduced shards join the sharded `.grad`s (and the sums
-        they included are spent), its unreduced gradients join the unsharded sums (in
-        reduce_dtype when that is wider: summing in place, autograd would keep
-        param_dtype), its partial sums replace the old."""
+        """The backward finished: its reduced shards join the sharded `.grad`s, its unreduced
+        gradients the unsharded sums (in reduce_dtype), its partial sums replace the old."""
         reduced, self._pending_shard = self._pending_shard, {}
         for p, shard in reduced.items():
             p.add_to_grad(shard)
@@ -105,6 +95,7 @@ class GradLedger:
                 grad = p.pop_unsharded_grad()
                 assert grad is not None
                 if (accumulated := self._accumulated.get(p)) is None:
+                    # In reduce_dtype: summing in place, autograd would keep param_dtype.
                     self._accumulated[p] = grad.to(p.reduce_dtype)
                 else:
                     accumulated.add_(grad)
@@ -120,6 +111,5 @@ class GradLedger:
         """The backward did not finish: forget its gradients, keep the earlier ones."""
         for p in self._params:
             p.unsharded.grad = None
-        self._pending_shard = {}
-        self._spent_accumulated = set()
+        self._pending_shard, self._spent_accumulated = {}, set()
         self._spent_partial, self._pending_partial = set(), {}

@@ -1,4 +1,4 @@
-"""The kinds of memory a unit holds beyond its shards (MeshPart.held_by_kind): each
+"""The kinds of memory a unit holds beyond its shards (Unit.held_by_kind): each
 buffer the runtime keeps, named as tests and traces account for it."""
 
 UNSHARDED = "unsharded parameters"  # a gatherer's storages (the all-gather's output in place)

@@ -1,14 +1,11 @@
 """How a part's parameters lie in memory and travel: their padded shards back to back in one
-flat tensor (which the all-gather sends as is), their unsharded data in one storage, their
-registrations grouped by owning module (what one dict update swaps), and the dtypes and
-sizes both collectives use. Built in one function, read by the Gatherer and the Reducer,
-built anew when the parameters change (a dtype, a shard, all-gather hooks)."""
+flat tensor, their unsharded data in one storage, their registrations by owning module, and
+the dtypes and sizes both collectives use; built anew when the parameters change."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -16,7 +13,7 @@ from torch import nn
 
 from ..comm.meshes import UnitMesh, shard_mesh
 from ..param.extension import GatherExtension, carried_problem, has_extension
-from ..param.sharded_param import Registration, ShardedParam
+from ..param.sharded_param import ShardedParam
 
 # One owning module's _parameters, and the sharded and the unsharded forms of its
 # parameters in a unit, by name: what one dict update registers.
@@ -37,10 +34,8 @@ class DtypeFacts:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CastIn:
-    """A group of one rank whose shards are not what computes (another dtype: a
-    mixed-precision policy; CPU memory: offload): each shard is its whole parameter, cast
-    (and moved) straight into its unsharded data, one foreach copy for the part. Nothing
-    is gathered, and nothing copied out."""
+    """A group of one rank whose shards are not what computes (another dtype, or offload to
+    CPU): one foreach copy casts (and moves) each shard into its unsharded data."""
 
     targets: list[torch.Tensor]  # each parameter's unsharded data, flat (through .data)
     shards: list[torch.Tensor]  # each parameter's padded shard, as many elements
@@ -48,8 +43,7 @@ class CastIn:
 
 @dataclasses.dataclass(frozen=True, slots=True)  # slots: read at every gather and reduction
 class Layout:
-    """One part's parameters laid out (see the module docstring). Immutable: a change to
-    the parameters builds a new one."""
+    """One part's parameters laid out. Immutable: a change to the parameters builds a new one."""
 
     dtypes: DtypeFacts
     flat: torch.Tensor | None  # every padded shard; None with mixed dtypes or hooks
@@ -82,12 +76,9 @@ def lay_out(
     params: list[ShardedParam], mesh: UnitMesh, sizes: list[int], label: str,
     refuse_unhooked: bool, customised: bool,
 ) -> Layout | None:
-    """Lay `params` out over `mesh` (`sizes`: each one's padded shard). The unsharded
-    storages come back freed. None when a tensor-subclass shard has no all-gather hooks
-    yet and not `refuse_unhooked` (fully_shard lays out at once; the hooks may be
-    attached after it, before the first gather, which then refuses the subclass).
-    `customised`: codecs or a user's all-gather take part, so a gather must run even at
-    one rank."""
+    """Lay `params` out over `mesh`, unsharded storages freed. None when a tensor-subclass shard
+    has no all-gather hooks yet and not `refuse_unhooked` (hooks may come before the first
+    gather). `customised`: codecs or a custom all-gather, so even one rank gathers."""
     if not _find_extensions(params, mesh, label, refuse_unhooked):
         return None
     extended = [p for p in params if p.extension is not None]
@@ -103,40 +94,30 @@ def lay_out(
     if zero_copy:
         for p in params:
             p.use_unsharded_buffer(p.padded_shard)
-    elif plain := [(p, n) for p, n in zip(params, sizes) if p.extension is None]:
-        # (parameters with all-gather hooks build their own unsharded data)
-        buffers = unsharded_buffers(
-            [p for p, _ in plain], rows, [n for _, n in plain], dtypes.param_dtype, device
-        )
+    elif plain := [p for p in params if p.extension is None]:  # hooks build their own
+        buffers = unsharded_buffers(plain, rows, dtypes.param_dtype, device)
     # Freed by resizing to 0 rather than dropped: autograd may have saved the unsharded
     # parameters, and what it saved must see the data of the next all-gather.
     storages = [(b.untyped_storage(), b.nbytes) for b in buffers]
     for storage, _ in storages:
         storage.resize_(0)
+    needs_cast = flat is not None and (flat.dtype, flat.device) != (dtypes.param_dtype, device)
+    cast_in = None
+    if one_rank and not zero_copy:  # the buffers' .data: Note [version counter] in sharded_param.py
+        cast_in = CastIn([p.unsharded_buffer.data for p in params], [p.padded_shard for p in params])
     return Layout(
-        dtypes=dtypes,
-        flat=flat,
-        flat_needs_cast=flat is not None and (flat.dtype, flat.device) != (dtypes.param_dtype, device),
-        gather_spec=gather_spec,
-        reduce_spec=((rows, numel), dtypes.reduce_dtype, device),
-        storages=storages,
-        targets=[p.gather_target for p in params],
-        registrations=forms_by_owner(r for p in params for r in p.registrations()),
-        extended=extended,
-        zero_copy=zero_copy,
-        cast_in=CastIn(  # the buffers' .data: see Note [version counter] in sharded_param.py
-            targets=[p.unsharded_buffer.data for p in params],
-            shards=[p.padded_shard for p in params],
-        ) if one_rank and not zero_copy else None,
+        dtypes=dtypes, flat=flat, flat_needs_cast=needs_cast, gather_spec=gather_spec,
+        reduce_spec=((rows, numel), dtypes.reduce_dtype, device), storages=storages,
+        targets=[p.gather_target for p in params], registrations=forms_by_owner(params),
+        extended=extended, zero_copy=zero_copy, cast_in=cast_in,
     )
 
 
 def _find_extensions(
     params: list[ShardedParam], mesh: UnitMesh, label: str, refuse_unhooked: bool
 ) -> bool:
-    """Give each parameter whose local shard has all-gather hooks its GatherExtension
-    (kept while the shard is the same), and no other parameter one. Whether every
-    tensor-subclass shard has hooks; with `refuse_unhooked`, one without raises."""
+    """Give each parameter whose local shard has all-gather hooks a GatherExtension (kept while
+    the shard is), and no other one. Whether every tensor-subclass shard has hooks."""
     for p in params:
         where = f"fsdp_compose: unit {label}: parameter {p.fqn!r}"
         if not has_extension(p.local, where):
@@ -168,7 +149,7 @@ def flat_shards(params: list[ShardedParam], numel: int) -> torch.Tensor | None:
 
 
 def unsharded_buffers(
-    params: list[ShardedParam], rows: int, sizes: list[int], dtype: torch.dtype, device: torch.device
+    params: list[ShardedParam], rows: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """The unsharded data: one storage shared by the parameters when they compute in one
     dtype, else each its own (new: an earlier layout may have lent them their shards)."""
@@ -176,18 +157,20 @@ def unsharded_buffers(
         for p in params:
             p.allocate_unsharded_buffer(device)
         return [p.unsharded_buffer for p in params]
+    sizes = [rows * p.layout.padded_shard_numel for p in params]
     with torch.inference_mode(False):
-        unsharded = torch.empty(rows * sum(sizes), dtype=dtype, device=device)
-        for p, piece in zip(params, unsharded.split([rows * n for n in sizes])):
+        unsharded = torch.empty(sum(sizes), dtype=dtype, device=device)
+        for p, piece in zip(params, unsharded.split(sizes)):
             p.use_unsharded_buffer(piece)
     return [unsharded]
 
 
-def forms_by_owner(registrations: Iterable[Registration]) -> list[OwnerForms]:
-    """Registrations grouped by owning module."""
+def forms_by_owner(params: list[ShardedParam]) -> list[OwnerForms]:
+    """The parameters' registrations grouped by owning module."""
     by_owner: dict[int, OwnerForms] = {}
-    for r in registrations:
-        _, sharded, unsharded = by_owner.setdefault(id(r.parameters), (r.parameters, {}, {}))
-        sharded[r.name] = r.sharded
-        unsharded[r.name] = r.unsharded
+    for p in params:
+        for r in p.registrations():
+            _, sharded, unsharded = by_owner.setdefault(id(r.parameters), (r.parameters, {}, {}))
+            sharded[r.name] = r.sharded
+            unsharded[r.name] = r.unsharded
     return list(by_owner.values())

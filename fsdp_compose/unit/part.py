@@ -1,12 +1,6 @@
 """A unit's parameters on one mesh: what one all-gather and one reduce-scatter move, their
-layout, their gradient ledger; and the unit's settings, one object its parts share.
-
-Most units are one part; shard_placement_fn may put some parameters on a mesh of their
-own (MoE experts), and each mesh is a part. A part is data that its Gatherer (gather.py)
-and Reducer (reduce.py) read: it knows nothing of gathering, reducing, forward or
-backward. On a 2-D mesh (replicate, shard) the last dimension shards and the first
-replicates.
-"""
+layout, their gradient ledger; and the unit's settings, one object its parts share. Most
+units are one part; shard_placement_fn may give parameters a mesh of their own (MoE)."""
 
 from __future__ import annotations
 
@@ -28,9 +22,8 @@ from .layout import Layout, forms_by_owner, lay_out
 
 @dataclasses.dataclass
 class UnitSettings:
-    """What FSDPModule's setters change, the one place each lives: the schedule, the gather
-    and the reduction read it where they act, never a copy. A setter whose change reaches
-    further (the layout, the post-forward mesh, a process group) goes through Unit."""
+    """What FSDPModule's setters change, the one place each lives (read where used, never
+    copied); a change reaching further (layout, post-forward mesh, group) goes through Unit."""
 
     reshard_after_forward: bool | None  # None: decided at lazy init (False for the root)
     reshard_after_backward: bool = True
@@ -56,11 +49,11 @@ class MeshPart:
     ) -> None:
         self.params = params
         self.mesh = mesh  # resolved once by fully_shard: groups, sizes, device
+        self.device = mesh.device
         self.settings = settings  # the unit's
         # For messages: the modules' class names, then (at the first forward) their fqn
         # under the root, which prefixes the parameters' fqns (relative to the unit).
-        self.label = label
-        self.fqn_prefix = ""
+        self.label, self.fqn_prefix = label, ""
         self.streams: SideStreams | None = side_streams(mesh.device)  # None on the CPU
         self.sizes = [p.layout.padded_shard_numel for p in params]  # per row, padded
         self.all_dim0 = all(p.layout.dim == 0 for p in params)  # see shard_placement_fn
@@ -72,10 +65,6 @@ class MeshPart:
             self.lay_out(refuse_unhooked=False)
 
     @property
-    def device(self) -> torch.device:
-        return self.mesh.device
-
-    @property
     def device_mesh(self) -> DeviceMesh:
         return self.mesh.mesh
 
@@ -84,9 +73,8 @@ class MeshPart:
         self.reduce_group, self.reduce_premul_sum = group, has_premul_sum(group)
 
     def lay_out(self, refuse_unhooked: bool = True) -> Layout | None:
-        """Lay the parameters out anew (see unit/layout.py); the gatherer frees the earlier
-        layout's unsharded data when it sees the new one. Refuses parameters still on the
-        meta device."""
+        """Lay the parameters out anew (unit/layout.py), refusing parameters still on the meta
+        device; the gatherer frees the earlier layout's unsharded data when it sees the new one."""
         if (problem := self.meta_problem()) is not None:
             raise RuntimeError(problem)
         self.layout = lay_out(
@@ -98,13 +86,10 @@ class MeshPart:
     def registrations_changed(self, layout: Layout) -> None:
         """A hook built a new unsharded parameter during a gather over `layout`."""
         if self.layout is layout:
-            self.layout = dataclasses.replace(layout, registrations=forms_by_owner(
-                r for p in self.params for r in p.registrations()
-            ))
+            self.layout = dataclasses.replace(layout, registrations=forms_by_owner(self.params))
 
     def meta_problem(self) -> str | None:
-        """What is wrong when some parameters are still on the meta device (a local check,
-        made before any collective), else None."""
+        """What is wrong if parameters are still on the meta device (a local check), else None."""
         if not (meta := [p.fqn for p in self.params if p.is_meta]):
             return None
         names = ", ".join(self.fqn_prefix + fqn for fqn in meta)

@@ -1,6 +1,5 @@
 """reshard_after_forward=<int>: after forward, each parameter of a unit keeps its piece of a
-shard over a smaller group (dim 1 of the post-forward mesh, e.g. the ranks of one node), and
-the unshard before backward gathers it inside that group from those pieces."""
+shard over a smaller group (dim 1 of the post-forward mesh), which the next unshard gathers."""
 
 from __future__ import annotations
 
@@ -13,11 +12,8 @@ from ..param.sharding import shard_layout
 
 
 class PostForwardShards:
-    """A unit's pieces over its post-forward group, kept between forward and backward.
-
-    Pieces of one dtype are sent as they are; when the unit's parameters gather in
-    different dtypes, each piece is sent as its bytes, padded to 8 so that every piece of
-    the gathered rows can be viewed in its dtype again (as encode_shards does)."""
+    """A unit's pieces over its post-forward group, kept between forward and backward: as
+    they are, or as bytes padded to 8 when their dtypes differ (as encode_shards does)."""
 
     def __init__(self, params: list[ShardedParam], mesh: DeviceMesh) -> None:
         self.group: ProcessGroup = mesh.get_group(1)
@@ -34,8 +30,7 @@ class PostForwardShards:
         return self._kept is not None
 
     def keep(self) -> None:
-        """Copy this rank's piece of each parameter out of its unsharded data (which the
-        reshard then frees)."""
+        """Copy this rank's piece of each parameter out of its unsharded data (then freed)."""
         kept = []
         unsharded = [p.unsharded.detach() for p in self._params]
         self.as_bytes = len({u.dtype for u in unsharded}) > 1
@@ -53,8 +48,7 @@ class PostForwardShards:
     def take(self) -> list[torch.Tensor]:
         """The kept pieces, no longer kept: what the all-gather inside the group sends."""
         kept, self._kept = self._kept, None
-        if kept is None:
-            raise RuntimeError("fsdp_compose: no post-forward pieces kept to gather")
+        assert kept is not None, "fsdp_compose: no post-forward pieces kept to gather"
         return kept
 
     def drop(self) -> None:
@@ -65,10 +59,9 @@ class PostForwardShards:
         return 0 if self._kept is None else sum(piece.nbytes for piece in self._kept)
 
     def copy_out(self, gathered: torch.Tensor, all_dim0: bool) -> None:
-        """Write the gathered pieces (row r: group rank r's) into each parameter's
-        unsharded data, as rows of this layout. The group's size divides the shard size, so
-        this padded layout is no longer than the full one: k * ceil(n / k) <= W * ceil(n / W)
-        when k divides W."""
+        """Write the gathered pieces (row r: group rank r's) into each parameter's unsharded
+        data, as rows of this layout: no longer than the full one, as the group's size k
+        divides the shard size W (k * ceil(n / k) <= W * ceil(n / W))."""
         targets = [
             layout.rank_rows(p.unsharded_buffer.data)
             for p, layout in zip(self._params, self._layouts)
@@ -80,6 +73,6 @@ class PostForwardShards:
             if not target.numel():
                 continue  # an empty parameter: nothing to write (nor to view as its dtype)
             if self.as_bytes:
-                piece = piece[:, : layout.padded_shard_numel * target.element_size()]
-                piece = piece.view(target.dtype)
+                nbytes = layout.padded_shard_numel * target.element_size()
+                piece = piece[:, :nbytes].view(target.dtype)
             target.copy_(piece.view(target.shape))

@@ -19,14 +19,13 @@ from ..comm.collectives import (
 )
 from ..param.sharded_param import ShardedParam
 from .held import REDUCE_INPUT, REDUCE_OUTPUT
-from .layout import BufferSpec, DtypeFacts, dtype_facts
+from .layout import DtypeFacts, dtype_facts
 from .part import MeshPart
 from .replicas import combine_replicas
 
 
 class _Reduction(NamedTuple):
-    """A reduce-scatter in flight: its buffers (kept alive until it is done), and whose
-    gradient shards its output holds."""
+    """A reduce-scatter in flight: its buffers (alive until it is done), whose shards it holds."""
 
     work: Work | torch.Event | None
     input: torch.Tensor
@@ -34,11 +33,9 @@ class _Reduction(NamedTuple):
     params: list[ShardedParam]
     sizes: list[int]  # each parameter's padded shard
     reduction: GradReduction
-    # HSDP: whether the output holds final shards (False: partial sums kept without an
-    # all-reduce), when combine_replicas ran already: on side streams, right after the
-    # reduce-scatter. None on the CPU, where it runs once the reduce-scatter is waited for.
+    # What _post_reduce returned, where it ran already (on side streams, right after the
+    # reduce-scatter); None on the CPU, where it runs once the reduce-scatter is waited for.
     final: bool | None
-    post_reduced: bool  # the hook and post-divide ran (on side streams: see _post_reduce)
 
 
 class Reducer:
@@ -51,22 +48,14 @@ class Reducer:
         self._pending: _Reduction | None = None
 
     def held_by_kind(self) -> dict[str, int]:
-        """Bytes held beyond the shards, by kind (see MeshPart.held_by_kind)."""
-        pending = self._pending
-        return {
-            REDUCE_INPUT: self._buffer.nbytes(),
-            REDUCE_OUTPUT: 0 if pending is None else pending.output.nbytes,
-        }
+        """Bytes held beyond the shards, by kind (see Unit.held_by_kind)."""
+        output = 0 if self._pending is None else self._pending.output.nbytes
+        return {REDUCE_INPUT: self._buffer.nbytes(), REDUCE_OUTPUT: output}
 
     def reduce_grads(self) -> bool:
-        """Start averaging the unsharded gradients over the mesh; `finish_reduction` puts
-        them into the ledger. Returns whether there was anything to reduce.
-
-        Only parameters that received a gradient take part (all that require one with
-        `reduce_scatter_unused_params`), so frozen and unused ones keep `.grad is None` as
-        in single-process training; which ones did must agree across ranks, as it does
-        whenever every rank runs the same code path.
-        """
+        """Start averaging the unsharded gradients over the mesh; whether there were any. Only
+        parameters with a gradient take part (all that require one with
+        `reduce_scatter_unused_params`): which ones must agree across ranks."""
         if self._pending is not None:
             self.finish_reduction()  # this unit's reduction of an earlier part of the backward
         part, layout = self._part, self._part.layout
@@ -78,7 +67,11 @@ class Reducer:
                 observer.end(part, _observer.ISSUE_REDUCE)
             return False
         dtypes = dtype_facts(self.params) if layout is None else layout.dtypes
-        reduction = self._grad_reduction(dtypes)
+        settings, mesh = part.settings, part.mesh
+        reduction = grad_reduction(  # from the unit's settings now
+            mesh.shard_size, mesh.replicate_size, dtypes.reduce_dtype,
+            settings.gradient_divide_factor, settings.force_sum_reduction, part.reduce_premul_sum,
+        )
         self._pending = self._start(params, grads, dtypes, reduction)
         if observer is not None:
             observer.end(part, _observer.ISSUE_REDUCE, self._pending.input.nbytes)
@@ -88,9 +81,8 @@ class Reducer:
         self, params: list[ShardedParam], grads: list[torch.Tensor], dtypes: DtypeFacts,
         reduction: GradReduction,
     ) -> _Reduction:
-        """Issue the reduce-scatter of `grads`; on side streams also HSDP's all-reduce, the
-        all-reduce hook and the post-divide, on the reduce-scatter stream (as torch runs
-        them on its reduction streams, off the compute stream)."""
+        """Issue the reduce-scatter of `grads`; on side streams also _post_reduce, on the same
+        stream (as torch runs them on its reduction streams, off the compute stream)."""
         part = self._part
         rows, flat, sizes = self._chunked(params, grads, dtypes)
         numel = flat.numel() // part.mesh.shard_size
@@ -101,20 +93,15 @@ class Reducer:
         else:
             with side.reducing():  # all on this stream: overlaps compute
                 reduced, _ = self._reduce_scatter(flat, numel, reduction, dtypes, async_op=False)
-                if part.mesh.replicate_group is not None:
-                    final = combine_replicas(part, params, sizes, reduced, reduction)
-                if final is not False:
-                    self._post_reduce(reduced, reduction)
+                final = self._post_reduce(params, sizes, reduced, reduction)
                 work = side.reduced()
-        return _Reduction(work, rows, reduced, params, sizes, reduction, final, side is not None)
+        return _Reduction(work, rows, reduced, params, sizes, reduction, final)
 
     def _chunked(
         self, params: list[ShardedParam], grads: list[torch.Tensor], dtypes: DtypeFacts
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """The reduce-scatter's input (its rows, and flat) with `grads` chunked into it, and
-        each parameter's padded shard size."""
+        """The reduce-scatter's input (rows, and flat) holding `grads`, and their padded sizes."""
         part, layout = self._part, self._part.layout
-        spec: BufferSpec
         if len(params) == len(self.params) and layout is not None:
             sizes, spec = part.sizes, layout.reduce_spec
         else:
@@ -136,26 +123,13 @@ class Reducer:
         torch._chunk_cat(grads, dim=0, num_chunks=part.mesh.shard_size, out=rows)
         return rows, flat, sizes
 
-    def _grad_reduction(self, dtypes: DtypeFacts) -> GradReduction:
-        """How this part's gradients are averaged, from the unit's settings now."""
-        part = self._part
-        settings, mesh = part.settings, part.mesh
-        return grad_reduction(
-            mesh.shard_size, mesh.replicate_size, dtypes.reduce_dtype,
-            settings.gradient_divide_factor, settings.force_sum_reduction,
-            part.reduce_premul_sum,
-        )
-
     def _grads_to_reduce(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
         """The parameters that take part in a reduction, and their unsharded gradients."""
         ledger, unused = self._part.grads, self._part.settings.reduce_scatter_unused_params
         params, grads = [], []
-        for p in self.params:
+        for p in self.params:  # frozen and unused ones keep .grad None, as without sharding
             if (grad := ledger.take_unsharded(p)) is None:
-                if not (
-                    ledger.has_partial(p)
-                    or (unused and p.sharded.requires_grad)
-                ):
+                if not (ledger.has_partial(p) or (unused and p.sharded.requires_grad)):
                     continue
                 grad = torch.zeros(p.layout.shape, dtype=p.param_dtype, device=self._part.device)
             params.append(p)
@@ -168,8 +142,7 @@ class Reducer:
     ) -> tuple[torch.Tensor, Work | None]:
         """Reduce-scatter `flat` (row r: rank r's `numel` values) into a new tensor."""
         part = self._part
-        custom = part.settings.custom_reduce_scatter
-        shard_size = part.mesh.shard_size
+        custom, shard_size = part.settings.custom_reduce_scatter, part.mesh.shard_size
         if custom is None:
             reduced = flat.new_empty(numel)  # cheaper than torch.empty with dtype and device
         else:
@@ -186,20 +159,12 @@ class Reducer:
         return reduced, work
 
     def finish_reduction(self) -> None:
-        """Wait for the reduction `reduce_grads` started (on the CPU, all-reduce across
-        HSDP replicas after it), run the all-reduce hook, divide, and hold each parameter's
-        shard in the ledger until the backward finishes."""
+        """Wait for the reduction `reduce_grads` started; hold its shards until backward ends."""
         if (pending := self._pending) is None:
             return
-        self._pending = None
+        part, self._pending = self._part, None
         if (observer := _observer.current) is not None:
-            observer.begin(self._part, _observer.WAIT_REDUCE)
-        self._finish(pending)
-        if observer is not None:
-            observer.end(self._part, _observer.WAIT_REDUCE)
-
-    def _finish(self, pending: _Reduction) -> None:
-        part = self._part
+            observer.begin(part, _observer.WAIT_REDUCE)
         if pending.work is not None:
             try:
                 pending.work.wait()
@@ -208,22 +173,28 @@ class Reducer:
                     part.label, "reduce-scatter", part.mesh.shard_size, error
                 ) from error
         self._buffer.release()
-        reduced, reduction = pending.output, pending.reduction
-        if part.mesh.replicate_group is not None:
-            final = pending.final
-            if final is None:
-                final = combine_replicas(part, pending.params, pending.sizes, reduced, reduction)
-            if not final:
-                return
-        if not pending.post_reduced:
-            self._post_reduce(reduced, reduction)
-        part.grads.hold(pending.params, pending.sizes, reduced)
+        final = pending.final
+        if final is None:
+            final = self._post_reduce(pending.params, pending.sizes, pending.output, pending.reduction)
+        if final:
+            part.grads.hold(pending.params, pending.sizes, pending.output)
+        if observer is not None:
+            observer.end(part, _observer.WAIT_REDUCE)
 
-    def _post_reduce(self, reduced: torch.Tensor, reduction: GradReduction) -> None:
-        """The all-reduce hook, then the division left after the reduction."""
-        settings = self._part.settings
+    def _post_reduce(
+        self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor,
+        reduction: GradReduction,
+    ) -> bool:
+        """HSDP's combine_replicas, then the all-reduce hook and the division left after the
+        reduction. Whether `reduced` holds final shards (not partial sums kept for HSDP)."""
+        part = self._part
+        if part.mesh.replicate_group is not None and not combine_replicas(
+            part, params, sizes, reduced, reduction
+        ):
+            return False
+        settings = part.settings
         if (hook := settings.all_reduce_hook) is not None:
-            side, stream = self._part.streams, settings.all_reduce_hook_stream
+            side, stream = part.streams, settings.all_reduce_hook_stream
             if side is not None and stream is not None:
                 with side.detour(stream):
                     hook(reduced)
@@ -231,6 +202,7 @@ class Reducer:
                 hook(reduced)
         if reduction.post_divide is not None:
             reduced.div_(reduction.post_divide)
+        return True
 
     def discard(self) -> None:
         """Drop a reduction in flight (its backward did not finish)."""

@@ -14,9 +14,8 @@ def combine_replicas(
     part: MeshPart, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor,
     reduction: GradReduction,
 ) -> bool:
-    """Add each parameter's partial sum from earlier reductions to its reduced shard and
-    all-reduce across replicas, or, without all-reduce, keep the shards as partial sums.
-    Returns whether `reduced` holds final shards."""
+    """Add each parameter's partial sum so far to its reduced shard and all-reduce across
+    replicas, or, without all-reduce, keep the shards as partial sums. Whether they are final."""
     mesh, ledger = part.mesh, part.grads
     shards = list(zip(params, torch.split_with_sizes(reduced, sizes)))
     for p, shard in shards:

@@ -1,23 +1,10 @@
 """A unit: the parameters one fully_shard call gathers and reduces together, as one part
-per mesh they live on (usually one; see unit/part.py), the way FSDP2 keeps a list of parameter
-groups, each with its Gatherer and Reducer; and its settings. The hooks, the root and
-FSDPModule see only this; each step loops over the parts, every part's all-gather started
-before the first is waited for.
-
-CommContext: the collectives units have in flight, and how many they may have (FSDP2 keeps
-its comm context beside its parameter groups too). Units start all-gathers ahead of use
-(prefetch) and leave reduce-scatters running while the next unit's backward computes. Both
-hold buffers until they are waited for, so both are bounded: at most `max_all_gathers`
-prefetched gathers not yet copied out (a fast CPU thread cannot run the allocator ahead of
-the collectives), and at most `max_reductions` reduce-scatters with their input buffers.
-Every rank issues and waits in the same order, as the hooks run in the same order
-everywhere. A root's units share one; roots may share one too (`share_comm_ctx`, e.g.
-pipeline stages).
-"""
+per mesh they live on (see unit/part.py), each with its Gatherer and Reducer, as FSDP2 keeps
+parameter groups; and CommContext, which bounds the collectives units have in flight."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -54,8 +41,7 @@ class Unit:
         return self.parts[0].fqn_prefix
 
     def name(self, fqn: str, label: str) -> None:
-        """At lazy init: the unit's fqn under its root, for its messages (`label`) and its
-        parameters' fqns."""
+        """At lazy init: the unit's fqn under its root, for its messages and parameters' fqns."""
         for part in self.parts:
             part.label, part.fqn_prefix = label, f"{fqn}." if fqn else ""
 
@@ -83,10 +69,7 @@ class Unit:
 
     def reduce_grads(self) -> bool:
         """Start every part's reduction, in order; whether any had gradients."""
-        started = False
-        for reducer in self.reducers:
-            started = reducer.reduce_grads() or started
-        return started
+        return any([reducer.reduce_grads() for reducer in self.reducers])  # a list: all run
 
     def finish_reduction(self) -> None:
         for reducer in self.reducers:
@@ -96,38 +79,31 @@ class Unit:
         return any(part.grads.has_unsharded_grads() for part in self.parts)
 
     def held_by_kind(self) -> dict[str, int]:
-        """Bytes held beyond the shards, by kind (unit/held.py): unsharded data, the
-        all-gather's and the reduce-scatter's buffers, pieces kept after forward, the
-        gradient ledger."""
-        held: dict[str, int] = {}
+        """Bytes held beyond the shards, by kind (the kinds of unit/held.py)."""
+        held: Counter[str] = Counter()
         for part, gatherer, reducer in zip(self.parts, self.gatherers, self.reducers):
-            by_kind = {**gatherer.held_by_kind(), **reducer.held_by_kind(),
-                       GRADIENT_LEDGER: part.grads.nbytes()}
-            for kind, nbytes in by_kind.items():
-                held[kind] = held.get(kind, 0) + nbytes
+            held.update(gatherer.held_by_kind())
+            held.update(reducer.held_by_kind())
+            held[GRADIENT_LEDGER] += part.grads.nbytes()
         return held
 
     def held_bytes(self) -> int:
         return sum(self.held_by_kind().values())
 
     def adopt_registered(self) -> None:
-        """Take back parameters changed behind our back (see ShardedParam.adopt_registered)
-        and follow parameters frozen or unfrozen since, and all-gather hooks attached to or
-        removed from a local shard (see param/extension.py): their part lays out anew.
-        Parameters change between iterations: forward calls this once per iteration."""
+        """Once per iteration: a part whose parameters were replaced (ShardedParam.adopt_registered),
+        frozen or unfrozen, or gained or lost all-gather hooks lays out anew."""
         for part in self.parts:
             for p in part.params:
-                if p.adopt_registered(part.fqn_prefix):
-                    part.layout = None
-                elif hasattr(p.local, PRE) is (p.extension is None):  # hooks attached or removed
+                adopted = p.adopt_registered(part.fqn_prefix)
+                if adopted or hasattr(p.local, PRE) is (p.extension is None):  # hooks came or went
                     part.layout = None
 
     def meta_problem(self) -> str | None:
         return next((m for part in self.parts if (m := part.meta_problem()) is not None), None)
 
     def shards_replaced(self) -> None:
-        """Some parameter stored a new shard (materialized, or adopted from its module):
-        the next gather lays the parts out again."""
+        """A parameter stored a new shard (materialized, or adopted): the parts lay out anew."""
         for part in self.parts:
             part.layout = None
 
@@ -165,10 +141,16 @@ class Unit:
 
 
 class CommContext:
+    """The collectives units have in flight, bounded as each holds buffers until waited for:
+    `max_all_gathers` prefetched gathers not yet copied out (a fast CPU thread cannot run the
+    allocator ahead of the collectives), `max_reductions` reduce-scatters left running while
+    the next unit's backward computes. A root's units share one; roots may (`share_comm_ctx`)."""
+
     def __init__(self) -> None:
         self.max_all_gathers = 2
         self.max_reductions = 1
         self.changed_by: str | None = None  # the module whose setter changed a bound
+        # Every rank issues and waits in the same order, as the hooks run in the same order.
         self._gathers: list[Unit] = []  # started asynchronously, oldest first
         self._reductions: deque[Unit] = deque()
 
