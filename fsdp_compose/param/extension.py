@@ -74,9 +74,8 @@ class GatherExtension:
         count = self._pre_count
         if count not in (1, 5):
             raise TypeError(
-                f"fsdp_compose: parameter {self._fqn!r}: {PRE} takes {count} parameters; "
-                "torch's fully_shard calls it with (mesh) or (mesh, outer_size, outer_stride, "
-                "module, mp_policy)."
+                f"fsdp_compose: parameter {self._fqn!r}: {PRE} takes {count} parameters; torch's "
+                "fully_shard calls it with (mesh) or (mesh, outer_size, outer_stride, module, mp_policy)."
             )
         inputs, self._metadata = pre(*self._arguments[:count])
         specs = [(t.shape, t.dtype, t.numel() * t.element_size()) for t in inputs]

@@ -2,13 +2,12 @@
 the like) step on the sharded parameters' local tensors, as plain tensors: the same
 arithmetic, bit for bit, without DTensor's dispatch.
 
-Outside `step()` nothing changes: param groups hold the DTensor parameters and
-`optimizer.state` DTensors (state_dict(), DCP, clip_grad_norm_, LR schedulers and GradScaler
-see what they always see). During the step the optimizer holds each parameter's local tensor
-(its `.grad` the DTensor gradient's local tensor) and state of the same tensors' local parts.
-Only these exact classes (an optimizer that reads global shapes, as Shampoo or Muon do, must
-see DTensors), from their second step (the first creates their state), through an instance
-`step` wrapping the class's; the optimizer's own step hooks run inside it.
+Outside `step()` nothing changes: param groups hold the DTensor parameters and `optimizer.state`
+DTensors (state_dict(), DCP, clip_grad_norm_, LR schedulers and GradScaler see what they always
+see). During the step the optimizer holds the local tensors, their `.grad` the DTensor gradients'
+local tensors, and state of their local parts. Only these exact classes (an optimizer that reads
+global shapes, as Shampoo or Muon do, must see DTensors), from their second step (the first
+creates their state), through an instance `step` wrapping the class's; its step hooks run inside.
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ _SEEN = "_fsdp_compose_local_step"  # in an optimizer's __dict__: it steps its o
 
 @functools.cache
 def install() -> None:
-    """Look at every optimizer's first step (torch.optim's public global pre-hook): refuse
-    tensors fully_shard replaced (see param/replaced.py), and choose how it steps."""
+    """At every optimizer's first step (a global pre-hook): refuse replaced tensors, choose how it steps."""
     register_optimizer_step_pre_hook(_first_step)
 
 
@@ -74,19 +72,11 @@ class _LocalStep:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        groups = [group["params"] for group in self._optimizer.param_groups]
-        params = [p for group in groups for p in group]
-        locals_ = self._enter(groups, params)
-        try:
-            self._step(**kwargs)
-        finally:
-            self._leave(groups, params, locals_)
-        return loss
-
-    def _enter(self, groups: list[list[torch.Tensor]], params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Give the optimizer each parameter's local tensor, the local tensor of its DTensor
-        gradient as `.grad`, and the state of those; returns the local tensors."""
         optimizer = self._optimizer
+        groups: list[list[torch.Tensor]] = [group["params"] for group in optimizer.param_groups]
+        params = [p for group in groups for p in group]
+        # Enter: give the optimizer each parameter's local tensor, the local tensor of its
+        # DTensor gradient as `.grad`, and the state of those.
         locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
         start = 0
         for group, group_params in zip(optimizer.param_groups, groups):
@@ -102,7 +92,19 @@ class _LocalStep:
         ):
             self._take_state(params, locals_)
         optimizer.state = self._inside
-        return locals_
+        try:
+            self._step(**kwargs)
+        finally:  # leave: the DTensors and their state back in the optimizer
+            for group, group_params in zip(optimizer.param_groups, groups):
+                group["params"] = group_params
+            for p, local in zip(params, locals_):
+                if local is not p:
+                    local.grad = None  # the gradient stays the DTensor's: hold it once
+            if (counted := _count(self._inside)) != self._counted:
+                self._sync_outside()
+                self._counted = counted
+            optimizer.state = self._outside
+        return loss
 
     def _take_state(self, params: list[torch.Tensor], locals_: list[torch.Tensor]) -> None:
         """The inside state from the optimizer's (a first step, a load_state_dict, a
@@ -115,23 +117,8 @@ class _LocalStep:
                 self._inside[local] = {k: _local(v) for k, v in outside[p].items()}
         self._counted = _count(self._inside)
 
-    def _leave(
-        self, groups: list[list[torch.Tensor]], params: list[torch.Tensor], locals_: list[torch.Tensor]
-    ) -> None:
-        optimizer = self._optimizer
-        for group, group_params in zip(optimizer.param_groups, groups):
-            group["params"] = group_params
-        for p, local in zip(params, locals_):
-            if local is not p:
-                local.grad = None  # the gradient stays the DTensor's: hold it once
-        if (counted := _count(self._inside)) != self._counted:
-            self._sync_outside()
-            self._counted = counted
-        optimizer.state = self._outside
-
     def _sync_outside(self) -> None:
-        """The step created state (these classes create it once, then update it in place):
-        DTensors over the new local tensors, outside."""
+        """The step created state (these create it once, then update it in place): DTensors of it outside."""
         outside = self._outside
         for p, local in zip(self._params, self._locals):
             inside = self._inside.get(local)

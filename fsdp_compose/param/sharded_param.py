@@ -8,12 +8,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..comm.compat import REDUCE_IN_OWN_DTYPE
 from ..comm.meshes import UnitMesh
 from .extension import GatherExtension, carry_hooks
 from .local_step import SHARDED_IDS, install
-from .local_tensor import give_data, local_of, zeroed_shard
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .replaced import warn_copied
 from .sharding import ShardLayout, contiguous_stride, shard_layout
@@ -47,8 +47,7 @@ class ShardedParam:
         self.mp_policy = mp_policy
         device = self._device = mesh.device  # where the unit computes
         self._shard_device = torch.device("cpu") if offload is not None else device
-        pin = offload is not None and offload.pin_memory
-        self._pin_memory = pin and torch.accelerator.is_available()
+        self._pin_memory = offload is not None and offload.pin_memory and torch.accelerator.is_available()
         # A tensor-parallel DTensor: we shard its local tensor (Note [tensor parallel]).
         self._tp = TensorParallel.of(param, mesh.spmd) if isinstance(param, DTensor) else None
         self.is_tensor_parallel = self._tp is not None
@@ -59,8 +58,7 @@ class ShardedParam:
         self._chunk = self.layout.chunk(mesh.shard_rank)
         placements = (*mesh.placements[:-1], Shard(dim))
         if self._tp is None:
-            shape = self.layout.shape
-            self._spec = (mesh.mesh, placements, shape, contiguous_stride(shape))
+            self._spec = (mesh.mesh, placements, self.layout.shape, contiguous_stride(self.layout.shape))
         else:
             self._spec = self._tp.sharded_spec(mesh.mesh, placements, dim)
         self.shape: torch.Size = self._spec[2]  # a tensor-parallel parameter's global shape
@@ -222,3 +220,35 @@ class ShardedParam:
             self.sharded.grad = DTensor(local, spec, requires_grad=False)
         else:
             local_of(self.sharded.grad).add_(local)
+
+
+# -- the local tensor, handled so that the objects optimizers, modules and tools hold stay the
+# ones the model uses
+
+
+def zeroed_shard(local: torch.Tensor, numel: int, device: torch.device, pin: bool) -> torch.Tensor:
+    """A flat zeroed shard of `numel` elements, of `local`'s class, on `device` (or meta)."""
+    if local.is_meta or not is_traceable_wrapper_subclass(local):
+        on = local.device if local.is_meta else device
+        return torch.zeros(numel, dtype=local.dtype, device=on, pin_memory=pin and not local.is_meta)
+    return local.new_zeros(numel)
+
+
+def give_data(kept: nn.Parameter, new: nn.Parameter) -> None:
+    """Give `kept` (the object optimizers hold) `new`'s data, in place."""
+    # If only the local tensor differs, take it, as torch's fully_shard does: swap_tensors
+    # refuses a tensor anything holds a weak reference to (torch's MemTracker does).
+    if (kept.dtype, kept.device) == (new.dtype, new.device) and kept._spec == new._spec:  # type: ignore[attr-defined]
+        kept._local_tensor = local_of(new)  # type: ignore[attr-defined]
+        kept.requires_grad_(new.requires_grad)
+        return
+    grad = kept.grad  # swap_tensors would move it to the discarded tensor: kept if it fits
+    torch.utils.swap_tensors(kept, new)
+    if grad is not None and (grad.shape, grad.dtype) == (kept.shape, kept.dtype):
+        kept.grad = grad
+
+
+def local_of(dtensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor itself (to_local() makes a view): identity tells our shard from another."""
+    local: torch.Tensor = dtensor._local_tensor  # type: ignore[attr-defined]
+    return local

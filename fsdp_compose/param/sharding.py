@@ -63,8 +63,4 @@ def shard_layout(shape: torch.Size, shard_size: int, dim: int = 0) -> ShardLayou
 
 
 def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
+    return torch.empty(shape, device="meta").stride()

@@ -47,8 +47,7 @@ class TensorParallel(NamedTuple):
 
     def slice(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's TP-local part of a whole tensor."""
-        mesh, placements = self.mesh, self.placements
-        shape, offsets = compute_local_shape_and_global_offset(self.shape, mesh, placements)
+        shape, offsets = compute_local_shape_and_global_offset(self.shape, self.mesh, self.placements)
         return whole[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
 
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
@@ -56,12 +55,10 @@ class TensorParallel(NamedTuple):
             local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
 
-    def sharded_spec(
-        self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...], dim: int
-    ) -> _Spec:
+    def sharded_spec(self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...], dim: int) -> _Spec:
         """The sharded parameter's spec when `dp_mesh` shards the TP-local tensor on `dim`."""
         if self.spmd is not None:
-            return self._spmd_sharded_spec(dim)
+            return self._spmd_sharded_spec(self.spmd, dim)
         shards = zip(self.mesh.shape, self.placements)
         tp_shards = math.prod(size for size, placement in shards if placement.is_shard(dim))
         if tp_shards > 1:
@@ -69,11 +66,9 @@ class TensorParallel(NamedTuple):
         mesh = DeviceMesh._concatenate([dp_mesh, self.mesh])
         return mesh, (*dp_placements, *self.placements), self.shape, self.stride
 
-    def _spmd_sharded_spec(self, dim: int) -> _Spec:
+    def _spmd_sharded_spec(self, spmd: SpmdDims, dim: int) -> _Spec:
         """On the full SPMD mesh: each shard dim's Replicate becomes Shard(dim) (_StridedShard
         when mesh dims after it shard `dim` too); several are one flattened dim (SpmdDims.spec)."""
-        spmd = self.spmd
-        assert spmd is not None
         placements = list(self.placements)
         for index in spmd.shard:
             split = 1

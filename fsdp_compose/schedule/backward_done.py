@@ -1,29 +1,23 @@
 """When a unit's backward is done: one object with every rule, so that it can reduce and
-reshard as early as is safe, and never before.
+reshard as early as is safe, and never before. Four signals, tried in this order:
 
-Four signals end a unit's backward, tried in this order:
-
-1. Its last gradient (cheap, the common case). A hook on each unsharded parameter's
-   gradient accumulation, registered once per layout, counts down from the number of
-   parameters. It is safe because every node that reads a parameter that requires grad
-   computes a gradient for it before that gradient is accumulated: once the last one is,
-   nothing left in the graph reads the unit's parameters (a detached alias excepted,
+1. Its last gradient (the common case). A hook on each unsharded parameter's gradient
+   accumulation, registered once per layout, counts down the parameters. Safe: every node that
+   reads a parameter that requires grad computes its gradient before it is accumulated, so after
+   the last one nothing in the graph reads the unit's parameters (a detached alias excepted,
    which then fails loudly: "storage of size 0").
-2. Its forward inputs' gradients. Used where (1) is unsafe or never fires: the unit has
-   frozen parameters (their readers compute no gradient: in LoRA the adapters' gradients
-   are complete while the frozen weight is still needed for the inputs' gradient); ranks
-   may leave different parameters without gradient (`reduce_scatter_unused_params`: they
-   would reduce at different points); or an earlier backward left a parameter without
-   gradient (sticky: from then on). A hook on the backward node of each forward input,
-   made at every forward, counts down the forwards; the engine runs a node only when
-   everything that feeds it is done, and the inputs' gradients are the last thing the
-   unit's backward computes.
-3. Its recomputation. Under reentrant activation checkpointing the unit's forward ran
-   without grad; its backward begins when the checkpoint recomputes it, and is hooked
-   there, at every recomputed call, with (2).
-4. The end of backward. A callback queued on the autograd engine finishes every unit no
-   hook finished (inputs without grad, parameters without gradient), in module order,
-   the same on every rank.
+2. Its forward inputs' gradients, where (1) is unsafe or never fires: frozen parameters (their
+   readers compute no gradient: in LoRA the adapters' gradients are complete while the frozen
+   weight is still needed for the inputs'), `reduce_scatter_unused_params` (ranks would reduce
+   at different points), or a parameter an earlier backward left without gradient (sticky). A
+   hook on each forward input's backward node, made at every forward, counts down the forwards:
+   the engine runs a node only once all that feeds it is done, and the inputs' gradients are
+   the last thing the unit's backward computes.
+3. Its recomputation. Under reentrant checkpointing the unit's forward ran without grad; its
+   backward begins when the checkpoint recomputes it, and is hooked there with (2).
+4. The end of backward. A callback queued on the autograd engine finishes every unit no hook
+   finished (inputs without grad, parameters without gradient), in module order, the same on
+   every rank.
 """
 
 from __future__ import annotations
@@ -38,10 +32,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..param.sharded_param import ShardedParam
 from ..unit.part import UnitSettings
 
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]  # a forward's args and kwargs
+
 
 class BackwardEnd:
-    """Decides when one unit's backward is done and calls `done` then (once per backward
-    of the unit, while `in_backward()` holds)."""
+    """Calls `done` once per backward of one unit, when it is done (while `in_backward()` holds)."""
 
     def __init__(
         self, params: list[ShardedParam], done: Callable[[], None],
@@ -63,18 +58,10 @@ class BackwardEnd:
         # layout makes new ones).
         self._hooked: list[nn.Parameter | None] = [None] * len(params)
 
-    def hook_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """A forward with grad: make this backward of the unit end with its last gradient,
-        or with its inputs' gradients (the inputs, returned in their place, carry the hook)."""
-        self.hooked_in_forward = True
-        return self.hook_recomputation(args, kwargs)
-
-    def hook_recomputation(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """As hook_forward, for a call recomputed by reentrant checkpointing (signal 3)."""
+    def hook_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], recomputed: bool = False) -> Inputs:
+        """A forward with grad, or a call `recomputed` by reentrant checkpointing (signal 3): end this
+        backward with its last gradient, or its inputs' gradients (the returned inputs carry the hook)."""
+        self.hooked_in_forward = not recomputed  # a recomputation follows no hooked forward
         self._on_last_grad = self._can_end_on_last_grad()
         if not self._on_last_grad and self.may_end_on_inputs:
             args, kwargs, hooked = hook_inputs(args, kwargs, self.inputs_done)
@@ -107,8 +94,7 @@ class BackwardEnd:
                 self._done()
 
     def inputs_done(self, *_grads: Any) -> None:
-        """Signal 2: run once the backward of one forward's inputs is done (as a node hook,
-        which passes the node's gradients: unused)."""
+        """Signal 2: one forward's inputs' backward is done (a node hook: its gradients are unused)."""
         if self._inputs_pending > 0:
             self._inputs_pending -= 1
         if not self._inputs_pending and self._in_backward():
@@ -122,9 +108,8 @@ class BackwardEnd:
         self.forget()
 
     def forget(self) -> None:
-        """The unit's backward finished or was abandoned (reset_iter_state): the next
-        forward hooks anew. Not at the next forward: a standalone forward of another unit
-        (a chunked loss's head) may run between this unit's forward and its backward."""
+        """The unit's backward finished or was abandoned: the next forward hooks anew. Not at the next
+        forward: another unit's standalone forward (a chunked loss's head) may run in between."""
         self._inputs_pending = 0
         self.hooked_in_forward = False
 
@@ -161,9 +146,7 @@ class _InputsDone(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward runs the hook."""
 
     @staticmethod
-    def forward(
-        ctx: Any, hook: Callable[[], None], *inputs: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, hook: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.hook = hook
         return inputs
 

@@ -14,34 +14,27 @@ from torch import nn
 
 from ..param.policies import cast_floating
 from .agreement import check_ranks_agree
+from .backward_done import Inputs
 from .iteration import Root, UnitState
 from .phase import FORWARD, IDLE, current_graph_task_id, in_backward
 from .state import state_of
 from .unmanaged import stop_watching
 
-
-def _call(hook: Callable[..., Any], *args: Any) -> Any:
-    return hook(*args)
-
-
 # Under torch.compile the hooks run eagerly, outside the graph: they communicate and resize
 # storage, which graphs cannot hold. They call this first thing when dynamo traces them
 # (is_dynamo_compiling() reads True), so compilation breaks the graph around them.
-run_eagerly: Callable[..., Any] = torch.compiler.disable(_call)
+run_eagerly: Callable[..., Any] = torch.compiler.disable(lambda hook, *args: hook(*args))
 
 
 def install_hooks(state: UnitState) -> None:
     for module in state.modules:
-        module.register_forward_pre_hook(
-            functools.partial(pre_forward, state), prepend=True, with_kwargs=True
-        )
+        pre = functools.partial(pre_forward, state)
+        module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         # Also called when forward raised, to undo what pre_forward did.
         module.register_forward_hook(functools.partial(post_forward, state), always_call=True)
 
 
-def pre_forward(
-    state: UnitState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def pre_forward(state: UnitState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Inputs:
     if torch.compiler.is_dynamo_compiling():
         return run_eagerly(pre_forward, state, module, args, kwargs)  # type: ignore[no-any-return]
     if not state.initialised:
@@ -50,7 +43,15 @@ def pre_forward(
     if state.input_dtype is not None:
         args, kwargs = cast_floating((args, kwargs), state.input_dtype)
     if current_graph_task_id() != -1:
-        return _pre_recomputation(state, args, kwargs)
+        # Activation checkpointing re-runs forward inside backward. After a forward with grad
+        # (non-reentrant checkpointing) the unit's hooks own its backward: only make sure the
+        # parameters are there. After one without (reentrant: the recomputation's own backward
+        # follows at once) its backward begins here.
+        if not state.backward_end.hooked_in_forward and torch.is_grad_enabled():
+            state.pre_backward(None)
+            args, kwargs = state.backward_end.hook_forward(args, kwargs, recomputed=True)
+        state.unshard()
+        return args, kwargs
     root = state.root
     if root.final_callback_queued:
         # The last backward raised before it finished: forget it, keep what earlier
@@ -75,20 +76,6 @@ def pre_forward(
     return args, kwargs
 
 
-def _pre_recomputation(
-    state: UnitState, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Activation checkpointing re-runs forward inside backward. After a forward with grad
-    (non-reentrant checkpointing) the unit's hooks own its backward: only make sure the
-    parameters are there. After one without (reentrant: the recomputation's own backward
-    follows at once) its backward begins here."""
-    if not state.backward_end.hooked_in_forward and torch.is_grad_enabled():
-        state.pre_backward(None)
-        args, kwargs = state.backward_end.hook_recomputation(args, kwargs)
-    state.unshard()
-    return args, kwargs
-
-
 def post_forward(state: UnitState, module: nn.Module, args: Any, output: Any) -> Any:
     if torch.compiler.is_dynamo_compiling():
         return run_eagerly(post_forward, state, module, args, output)
@@ -98,14 +85,12 @@ def post_forward(state: UnitState, module: nn.Module, args: Any, output: Any) ->
     if output is None and sys.exc_info()[1] is not None:
         _after_failed_forward(state, module)
         return None
-    recomputing = current_graph_task_id() != -1  # in backward: see pre_forward
-    if not recomputing:
-        state.modules_to_run.discard(module)
-        state.register_pre_backward(output)
+    if current_graph_task_id() != -1:  # a recomputation in backward: see pre_forward
+        return output if state.output_dtype is None else cast_floating(output, state.output_dtype)
+    state.modules_to_run.discard(module)
+    state.register_pre_backward(output)
     if state.output_dtype is not None:
         output = cast_floating(output, state.output_dtype)
-    if recomputing:
-        return output  # see pre_forward
     root = state.root
     if state.modules_to_run and root.forward_root is not state:
         # A list unit waiting for its other modules inside the enclosing forward. (A module
@@ -119,8 +104,7 @@ def post_forward(state: UnitState, module: nn.Module, args: Any, output: Any) ->
 
 
 def _after_failed_forward(state: UnitState, module: nn.Module) -> None:
-    """`module`'s forward raised: undo what its pre-hook did; if it was the forward
-    enclosing the others, undo the whole iteration's forward."""
+    """`module`'s forward raised: undo its pre-hook, or, if it enclosed the others, the iteration's."""
     if state.phase is not FORWARD or module not in state.modules_to_run or in_backward():
         return  # not a forward of ours in progress (e.g. a recomputation in backward)
     if state.root.forward_root is state:
@@ -135,10 +119,9 @@ def _after_failed_forward(state: UnitState, module: nn.Module) -> None:
 # -- lazy init ---------------------------------------------------------------------------
 
 
-def make_root(state: UnitState) -> Root:
-    """Make `state`'s unit the root of every unit below it (its first forward): label them,
-    check the model on this rank and then across ranks, point them to the root and its
-    comm context."""
+def make_root(state: UnitState) -> None:
+    """Make `state`'s unit the root of every unit below it (its first forward): label them, check
+    the model on this rank, then across ranks, and point them to the root and its comm context."""
     modules = state.modules
     if len(modules) > 1:
         names = ", ".join(type(m).__name__ for m in modules)
@@ -160,13 +143,12 @@ def make_root(state: UnitState) -> Root:
         )
     root = Root(state, states)
     for s in states:
-        s.root, s.initialised, s.comm = root, True, root.comm
+        s.root, s.initialised, s.comm = root, True, state.comm
         if s is not state and s.post_optim_event is not None:  # set before this forward
             state.post_optim_event, s.post_optim_event = s.post_optim_event, None
         if s.settings.reshard_after_forward is None:
             # The root's parameters would be freed and gathered again at once.
             s.settings.reshard_after_forward = s is not state
-    return root
 
 
 def _units_under(root: UnitState) -> list[UnitState]:
@@ -178,10 +160,9 @@ def _units_under(root: UnitState) -> list[UnitState]:
             continue
         if s is not root and s.initialised:
             raise RuntimeError(
-                f"fully_shard: the unit at {fqn!r} ({type(module).__name__}) already ran "
-                f"forward as a root before its enclosing unit "
-                f"{type(root.modules[0]).__name__}. Run forward through the outermost "
-                "annotated module first."
+                f"fully_shard: the unit at {fqn!r} ({type(module).__name__}) already ran forward as a "
+                f"root before its enclosing unit {type(root.modules[0]).__name__}. Run forward "
+                "through the outermost annotated module first."
             )
         s.unit.name(fqn, fqn or f"<root {type(module).__name__}>")
         states.append(s)

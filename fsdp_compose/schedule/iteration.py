@@ -1,12 +1,10 @@
 """One iteration's state machine: each unit's phase and settings (UnitState), and what its root
-owns across the units of one model (Root): the forward order, the end-of-backward callback.
-The module hooks (hooks.py) unshard a unit for forward and reshard it after; pre-hooks on
-its outputs' backward nodes unshard it for backward; once that is done (backward_done.py)
-it reduces its gradients and reshards."""
+owns across the units of one model (Root): the forward order, the end-of-backward callback. The
+module hooks (hooks.py) unshard a unit for forward and reshard it after; pre-hooks on its outputs'
+backward nodes unshard it for backward; once done (backward_done.py) it reduces and reshards."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -23,10 +21,9 @@ from .phase import FORWARD, IDLE, POST_BACKWARD, PRE_BACKWARD, Phase
 
 
 class Prefetch:
-    """Which units a unit starts gathering once it is unsharded, so that their all-gathers
-    overlap its compute: the lists FSDPModule's setters give, else in backward the unit
-    whose forward ended just before this one's (the next to run backward), and in forward,
-    after `set_implicit_forward_prefetch`, the one whose forward followed it last time."""
+    """Which units a unit starts gathering once unsharded, to overlap its compute: the lists
+    FSDPModule's setters give, else in backward the unit whose forward ended just before (the next
+    to run backward), in forward after `set_implicit_forward_prefetch` the one that followed it."""
 
     def __init__(self) -> None:
         self.forward: list[UnitState] = []  # explicit
@@ -36,16 +33,11 @@ class Prefetch:
         self.ended_forward_before: tuple[UnitState, ...] = ()  # set as the unit's forward ends
 
     def in_forward(self, unit: UnitState, last_order: list[UnitState]) -> list[UnitState]:
-        """The units to start gathering as `unit`'s forward begins (`last_order`: the last
-        iteration's forward order)."""
+        """The units to start gathering as `unit`'s forward begins (`last_order`: the last iteration's)."""
         if self.forward or not self.implicit_forward:
             return self.forward
         i = self.forward_index + 1
         return last_order[i : i + 1] if len(last_order) > i and last_order[i - 1] is unit else []
-
-    def in_backward(self) -> Sequence[UnitState]:
-        """The units to start gathering as this unit's backward begins."""
-        return self.ended_forward_before if self.backward is None else self.backward
 
 
 class UnitState:
@@ -82,17 +74,11 @@ class UnitState:
         return self.unit.label
 
     @property
-    def awaits_backward(self) -> bool:
-        """Whether a forward with grad ran and its backward has not finished."""
-        return self.phase is not IDLE or self.backward_end.hooked_in_forward
-
-    @property
     def is_root(self) -> bool:
         return self.initialised and self.root.state is self
 
     def refuse(self, phase: Phase) -> NoReturn:
-        """A hook ran out of order (e.g. forward run again inside a forward of the same
-        unit, or a backward hook without a forward): the move to `phase` is not allowed."""
+        """A hook ran out of order (e.g. forward again inside a forward of the unit): refuse `phase`."""
         raise RuntimeError(
             f"fsdp_compose: unit {self.label} on rank {self.unit.mesh.get_rank()} cannot go "
             f"from {self.phase.name} to {phase.name}: its hooks ran out of order."
@@ -106,14 +92,6 @@ class UnitState:
             owner.unit.unshard()
 
     # -- the end of forward ----------------------------------------------------------------
-
-    def end_partial_forward(self, output: Any) -> None:
-        """The enclosing forward ended: end this unit's forward if some of its modules did
-        not run (their pre-backward hook goes on the enclosing forward's output)."""
-        if self.phase is FORWARD:
-            self.modules_to_run.clear()
-            self.register_pre_backward(output)
-            self.finish_forward()
 
     def finish_forward(self) -> None:
         if IDLE not in self.phase.next:
@@ -148,22 +126,21 @@ class UnitState:
                 self.refuse(PRE_BACKWARD)
             self.phase = PRE_BACKWARD
             self.backward_end.begin()
-            if not self.root.final_callback_queued:
-                self.root.queue_final_callback()
+            if not (root := self.root).final_callback_queued:
+                root.final_callback_queued = True
+                Variable._execution_engine.queue_callback(root.finish_backward)
         self.unshard(in_backward=True)
         if (observer := _observer.current) is not None:
             observer.backward_began(self)
-        for other in self.prefetch.in_backward():
+        prefetch = self.prefetch  # the explicit list, else the unit whose forward ended before
+        for other in prefetch.ended_forward_before if prefetch.backward is None else prefetch.backward:
             # Not one whose backward is done already (gathered again for nothing).
             if other.settings.unshard_in_backward and other.phase is not POST_BACKWARD:
                 self.comm.prefetch(other.unit)  # overlaps this unit's gradient computation
 
     def _backward_done(self) -> None:
-        """Called by the BackwardEnd, in PRE_BACKWARD: reduce and reshard."""
+        """Called by the BackwardEnd, in PRE_BACKWARD, and at the end of backward: reduce and reshard."""
         self.phase = POST_BACKWARD
-        self._reduce_and_reshard()
-
-    def _reduce_and_reshard(self) -> None:
         # Freeing the parameters first keeps them and the reduce-scatter's buffers from
         # being allocated at once (the gradients live apart from the parameters' data).
         if self.settings.reshard_after_backward:
@@ -172,14 +149,13 @@ class UnitState:
             self.comm.reduce(self.unit)  # without sync, the gradients wait in unsharded form
 
     def finish_backward(self) -> None:
-        """The end of backward reached this unit (signal 4 in backward_done.py): finish it
-        if no hook did, or if it holds gradients from backwards without sync while not run
-        this time; then IDLE."""
+        """Signal 4 (backward_done.py): finish the unit if no hook did, or if it holds gradients of
+        backwards without sync while not run this time; then IDLE."""
         unfinished = self.phase is PRE_BACKWARD
         self.backward_end.at_end_of_backward(unfinished)
         if self.phase is not POST_BACKWARD:
             if unfinished or self.unit.has_unsharded_grads():
-                self._reduce_and_reshard()
+                self._backward_done()
             elif self.settings.reshard_after_backward:
                 self.unit.reshard()
         self.phase = IDLE
@@ -217,12 +193,6 @@ class Root:
         # Units prefetched in this forward: any that did not run are resharded at its end.
         self.forward_prefetched: list[UnitState] = []
 
-    @property
-    def comm(self) -> CommContext:
-        """The root unit's communication context: share_comm_ctx may replace it at any
-        time, so it is read from the unit, never copied."""
-        return self.state.comm
-
     def begin_forward(self, state: UnitState) -> None:
         """`state`'s forward encloses every other of this iteration: start the iteration."""
         self.forward_root = state
@@ -247,30 +217,31 @@ class Root:
         self.forward_prefetched.clear()
         no_backward = not torch.is_grad_enabled()
         for s in self.states:
-            # A list unit whose modules did not all run (e.g. a head skipped by a chunked
-            # loss) still ends its forward with the forward that enclosed it.
-            s.end_partial_forward(output)
+            if s.phase is FORWARD:
+                # A list unit whose modules did not all run (e.g. a head skipped by a chunked
+                # loss) ends its forward with the enclosing one: its pre-backward hook goes on
+                # the enclosing forward's output.
+                s.modules_to_run.clear()
+                s.register_pre_backward(output)
+                s.finish_forward()
             if s.lends and no_backward:  # lenders keep their parameters: free them now
                 s.unit.reshard()
-
-    def queue_final_callback(self) -> None:
-        self.final_callback_queued = True
-        Variable._execution_engine.queue_callback(self.finish_backward)
 
     def finish_backward(self) -> None:
         """End of backward: finish every unit no hook finished, in module order (the same
         on every rank), wait for the reductions, commit the gradients, go back to IDLE."""
         for s in self.states:
             s.finish_backward()
-        self.comm.finish_reductions()
+        # The root unit's: share_comm_ctx may replace it at any time, so read, never copied.
+        self.state.comm.finish_reductions()
         for s in self.states:  # see Note [gradients per backward] in unit/grad_ledger.py
             s.unit.commit_backward()
         self.final_callback_queued = False
 
     def finalize_backward(self) -> None:
-        """FSDPModule.finalize_backward: between iterations, reduce what backwards without
-        gradient sync left unsharded, as the end of a backward would now."""
-        if bad := [s.label for s in self.states if s.awaits_backward]:
+        """FSDPModule.finalize_backward: reduce what backwards without sync left, as a backward's end does."""
+        # A unit awaits its backward if a forward with grad ran and its backward has not finished.
+        if bad := [s.label for s in self.states if s.phase is not IDLE or s.backward_end.hooked_in_forward]:
             raise RuntimeError(
                 f"finalize_backward: units {bad} are between a forward and its backward; "
                 "call it after the step's backward passes."

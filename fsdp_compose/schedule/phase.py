@@ -3,25 +3,23 @@ autograd engine is in a backward (which tells a recomputation from a forward).""
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 
-class Phase:
-    """A named phase and the phases a unit may go to from it."""
+class Phase(enum.Enum):
+    """A unit's phase; `next`: the phases it may go to from it."""
 
-    __slots__ = ("name", "next")
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()
+    POST_BACKWARD = enum.auto()
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.next: tuple[Phase, ...] = ()
-
-    def __repr__(self) -> str:
-        return self.name
+    next: tuple[Phase, ...]
 
 
-IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = (
-    Phase(name) for name in ("IDLE", "FORWARD", "PRE_BACKWARD", "POST_BACKWARD")
-)
+IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = Phase
 IDLE.next = (FORWARD, PRE_BACKWARD)
 FORWARD.next = (IDLE, FORWARD)  # FORWARD again: another module of a list unit
 PRE_BACKWARD.next = (PRE_BACKWARD, POST_BACKWARD)

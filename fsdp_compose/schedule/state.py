@@ -19,7 +19,3 @@ def state_of(module: nn.Module) -> UnitState | None:
     """The unit state fully_shard attached to `module`, if any."""
     state: UnitState | None = module.__dict__.get(_STATE_ATTR)
     return state
-
-
-def is_annotated(module: nn.Module) -> bool:
-    return _STATE_ATTR in module.__dict__

@@ -1,16 +1,11 @@
 """Parameters tied across units (an embedding and an LM head in different units): one owner,
-borrowers.
-
-The first unit to annotate a parameter owns it: it gathers it, and reduces its gradient
-once. A later unit that finds the same parameter in its modules borrows it: the modules
-that hold it become owners of the sharded parameter too (so the owner's gather registers
-the unsharded form there as well), and the borrowing unit makes sure the owner is gathered
-before each of its forwards and backwards. Every use writes its gradient into the one
-unsharded parameter, and autograd accumulates them before the owner's last-gradient hook
-runs, so the owner reduces the sum once. A lending unit keeps its parameters from its
-forward to its backward (no reshard after forward), since a borrower may run between the
-two, or inside the owner's enclosing forward.
-"""
+borrowers. The first unit to annotate a parameter owns it: it gathers it and reduces its gradient.
+A later unit holding it borrows it: its modules become owners of the sharded parameter too (the
+owner's gather registers the unsharded form there as well), and it gathers the owner before each
+of its forwards and backwards. Autograd accumulates every use's gradient in the one unsharded
+parameter before the owner's last-gradient hook runs, so the owner reduces the sum once. A lending
+unit keeps its parameters from forward to backward: a borrower may run between the two, or inside
+the owner's enclosing forward."""
 
 from __future__ import annotations
 
@@ -41,12 +36,10 @@ def owner_of(param: nn.Parameter) -> tuple[UnitState, ShardedParam] | None:
 
 
 def check_borrowable(name: str, borrowed: Borrowed, mesh: UnitMesh, mp: MixedPrecisionPolicy) -> None:
-    """The borrower computes with the owner's gathered tensor: it must gather on the same
-    mesh and in the same dtype the borrower would have."""
+    """The borrower computes with the owner's gathered tensor: refuse another mesh or dtype."""
     owner, param = borrowed.owner, borrowed.param
-    same_mesh = owner.unit.mesh == mesh.mesh
     dtype = mp.param_dtype or param.sharded.dtype
-    if not same_mesh or param.param_dtype != dtype:
+    if owner.unit.mesh != mesh.mesh or param.param_dtype != dtype:
         raise ValueError(
             f"fully_shard({name}): parameter {borrowed.fqn!r} is tied to {param.fqn!r} of unit "
             f"{owner.label}, which gathers it on {owner.unit.mesh} in {param.param_dtype}; "
@@ -57,8 +50,7 @@ def check_borrowable(name: str, borrowed: Borrowed, mesh: UnitMesh, mp: MixedPre
 
 
 def lend(borrowed: Borrowed, borrower: UnitState) -> None:
-    """Register the owner's sharded parameter in the borrowing modules, as one of its owners,
-    and tell both units."""
+    """Register the owner's sharded parameter in the borrowing modules too; tell both units."""
     param = borrowed.param
     param.owners.extend(borrowed.holders)
     for module, attr in borrowed.holders:

@@ -15,13 +15,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .state import is_annotated
+from .state import state_of
 
 
 class UnmanagedParametersWarning(UserWarning):
-    """A model with fully_shard units runs forward with trainable parameters outside every
-    unit. Silence it on purpose with
-    `warnings.filterwarnings("ignore", category=UnmanagedParametersWarning)`."""
+    """A model with fully_shard units runs forward with trainable parameters outside every unit.
+    Silence it on purpose with `warnings.filterwarnings("ignore", category=UnmanagedParametersWarning)`."""
 
 
 # Marks the sharded parameters fully_shard made and the ones it was told to ignore.
@@ -49,25 +48,21 @@ def stop_watching() -> None:
 
 
 def _look(module: nn.Module, args: Any) -> None:
-    """A module called before the first root: if it holds units but is none, warn of its
-    trainable parameters that no unit shards."""
-    if module in _looked_at or is_annotated(module):
+    """Before the first root: warn of a module holding units, not one, with trainable parameters in none."""
+    if module in _looked_at or state_of(module) is not None:
         return
     inside = list(module.modules())
     _looked_at.update(inside)  # its submodules are covered by this one look
-    if not any(is_annotated(m) for m in inside):
+    if all(state_of(m) is None for m in inside):
         return
-    names = [
-        fqn for fqn, p in module.named_parameters()
-        if p.requires_grad and not hasattr(p, _ACCOUNTED_MARK)
-    ]
+    names = [fqn for fqn, p in module.named_parameters()
+             if p.requires_grad and not hasattr(p, _ACCOUNTED_MARK)]
     if names:
         _warn_at_user_call(
-            f"fsdp_compose: {type(module).__name__} holds fully_shard units but is not one, and "
-            f"its parameters {names} are in no unit: each rank trains them apart, "
-            "unsynchronised, and they drift. Annotate it too, after its blocks "
-            "(fully_shard(model); its ignored_params stay whole but are then yours to "
-            "synchronise); to keep them apart on purpose, filter "
+            f"fsdp_compose: {type(module).__name__} holds fully_shard units but is not one, and its "
+            f"parameters {names} are in no unit: each rank trains them apart, unsynchronised, and "
+            "they drift. Annotate it too, after its blocks (fully_shard(model); its ignored_params "
+            "stay whole but are then yours to synchronise); to keep them apart on purpose, filter "
             "fsdp_compose.UnmanagedParametersWarning."
         )
 
@@ -81,7 +76,9 @@ def _warn_at_user_call(message: str) -> None:
     Module.__call__, so a fixed stacklevel would name torch's module.py, which a filter on
     the user's module misses and a filter on torch hides. warn_explicit, not a counted
     stacklevel: warnings.warn's own frame skipping (importlib's) would shift the count."""
-    frame = _user_frame()
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__")).split(".")[0] in _INTERNAL:
+        frame = frame.f_back  # to the innermost frame outside torch and fsdp_compose
     if frame is None:  # no user code on this stack (a thread started inside torch)
         warnings.warn(message, UnmanagedParametersWarning, stacklevel=3)
         return
@@ -92,16 +89,3 @@ def _warn_at_user_call(message: str) -> None:
         registry=module_globals.setdefault("__warningregistry__", {}),
         module_globals=module_globals,
     )
-
-
-def _user_frame() -> FrameType | None:
-    """The innermost frame outside torch and fsdp_compose."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and _is_internal(frame):
-        frame = frame.f_back
-    return frame
-
-
-def _is_internal(frame: FrameType) -> bool:
-    name = frame.f_globals.get("__name__")
-    return isinstance(name, str) and name.split(".")[0] in _INTERNAL
