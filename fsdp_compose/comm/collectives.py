@@ -26,8 +26,8 @@ class GradReduction(NamedTuple):
 
 
 def _reduction(
-    pre_scale: float | None, op: ReduceOp.RedOpType | ReduceOp, all_reduce_op: ReduceOp.RedOpType,
-    post_divide: float | None,
+    pre_scale: float | None = None, op: ReduceOp.RedOpType | ReduceOp = ReduceOp.SUM,
+    all_reduce_op: ReduceOp.RedOpType = ReduceOp.SUM, post_divide: float | None = None,
 ) -> GradReduction:
     options = (dist.ReduceScatterOptions(), dist.ReduceScatterOptions())  # by async_op
     for async_op, option in enumerate(options):
@@ -45,24 +45,23 @@ def grad_reduction(
     does; float16 splits the division around the SUM so it neither overflows nor underflows."""
     ranks = shard_size * replicate_size
     factor = float(ranks) if divide_factor is None else float(divide_factor)
-    sum_ = ReduceOp.SUM
     if dtype not in (torch.float32, torch.bfloat16):
         pre = 1
         while factor % pre == 0 and factor / pre > pre:
             pre *= 2
         post = factor / pre
-        return _reduction(1.0 / pre if pre != 1 else None, sum_, sum_, post if post != 1 else None)
+        return _reduction(1.0 / pre if pre != 1 else None, post_divide=post if post != 1 else None)
     if force_sum:
-        return _reduction(None, sum_, sum_, factor)
+        return _reduction(post_divide=factor)
     if divide_factor is None:
         # A group of one has nothing to average; some backends mishandle AVG there.
-        op = sum_ if ranks == 1 else ReduceOp.AVG
-        return _reduction(None, op, op, None)
+        op = ReduceOp.SUM if ranks == 1 else ReduceOp.AVG
+        return _reduction(op=op, all_reduce_op=op)
     if factor == shard_size:
-        return _reduction(None, ReduceOp.AVG, sum_, None)
+        return _reduction(op=ReduceOp.AVG)
     if premul_sum:  # private: the factored op's constructor every torch in range has
-        return _reduction(None, _make_nccl_premul_sum(1.0 / factor), sum_, None)
-    return _reduction(1.0 / factor, sum_, sum_, None)
+        return _reduction(op=_make_nccl_premul_sum(1.0 / factor))
+    return _reduction(1.0 / factor)
 
 
 # Backends whose reduce-scatter takes ReduceOp.PREMUL_SUM (gloo refuses it).
@@ -73,40 +72,42 @@ def has_premul_sum(group: ProcessGroup) -> bool:
     return dist.get_backend(group) in _PREMUL_SUM_BACKENDS
 
 
+_Spec = tuple[tuple[int, int], torch.dtype, torch.device]  # a tensor's shape, dtype and device
+
+
 class ReusedBuffer:
     """One tensor (a collective's rows) whose storage exists only between `take` and `release`."""
 
-    __slots__ = ("_nbytes", "_spec", "_taken", "flat")
+    __slots__ = ("_taken", "flat")
     flat: torch.Tensor  # the taken tensor, 1-D: set by the first take
 
     def __init__(self) -> None:
-        self._taken: tuple[torch.Tensor, torch.UntypedStorage] | None = None
-        self._nbytes = 0
-        self._spec: tuple[tuple[int, int], torch.dtype, torch.device] | None = None
+        # The spec taken, its tensor, the tensor's storage and the bytes that storage holds when taken.
+        self._taken: tuple[_Spec, torch.Tensor, torch.UntypedStorage, int] | None = None
 
-    def take(self, spec: tuple[tuple[int, int], torch.dtype, torch.device]) -> torch.Tensor:
+    def take(self, spec: _Spec) -> torch.Tensor:
         """An uninitialised tensor of `spec` (shape, dtype, device; best the same object)."""
-        if self._taken is None or (spec is not self._spec and spec != self._spec):
+        taken = self._taken
+        if taken is None or (spec is not taken[0] and spec != taken[0]):
             shape, dtype, device = spec
             # Not an inference tensor, whichever mode the first use runs in.
             with torch.inference_mode(False):
                 tensor = torch.empty(shape, dtype=dtype, device=device)
             self.flat = tensor.view(-1)
-            self._taken = tensor, tensor.untyped_storage()
-            self._nbytes, self._spec = tensor.nbytes, spec
+            self._taken = spec, tensor, tensor.untyped_storage(), tensor.nbytes
             return tensor
-        tensor, storage = self._taken
-        storage.resize_(self._nbytes)
+        _, tensor, storage, nbytes = taken
+        storage.resize_(nbytes)
         return tensor
 
     def nbytes(self) -> int:
         """What its storage holds now (0 when released)."""
-        return 0 if self._taken is None else self._taken[1].nbytes()
+        return 0 if self._taken is None else self._taken[2].nbytes()
 
     def release(self) -> None:
         """Free the storage; what `take` returned must no longer be in use."""
         if self._taken is not None:
-            self._taken[1].resize_(0)
+            self._taken[2].resize_(0)
 
 
 # A user's all-gather or reduce-scatter (set_custom_all_gather / set_custom_reduce_scatter),
@@ -136,11 +137,9 @@ def all_gather(
         return None
     else:  # the group's own method: dist.all_gather_single's checks are for others' tensors
         work = getattr(group, ALL_GATHER_METHOD)(output, shard, _ALL_GATHER_OPTIONS[async_op])
-    if async_op:
-        return work
-    if work is not None:
+    if work is not None and not async_op:
         work.wait()
-    return None
+    return work if async_op else None
 
 
 def reduce_scatter(
@@ -158,11 +157,9 @@ def reduce_scatter(
     else:
         options = reduction.scatter_options[async_op]
         work = getattr(group, REDUCE_SCATTER_METHOD)(output, input, options)
-    if async_op:
-        return work
-    if work is not None:
+    if work is not None and not async_op:
         work.wait()
-    return None
+    return work if async_op else None
 
 
 def _all_gather_options(async_op: bool) -> AllgatherOptions:
@@ -223,9 +220,7 @@ def barrier() -> None:
 
 def collective_failed(unit: str, collective: str, ranks: int, error: RuntimeError) -> RuntimeError:
     """The error to raise for a collective that failed with `error` (e.g. timed out)."""
-    return RuntimeError(
-        f"fsdp_compose: the {collective} of unit {unit} over {ranks} ranks failed on rank "
-        f"{dist.get_rank()}: {error}\nAnother rank probably raised or stopped before this "
-        "collective: look for its error. How long a rank waits is the process group's "
-        "timeout: init_process_group(..., timeout=datetime.timedelta(minutes=...))."
-    )
+    return RuntimeError(f"fsdp_compose: the {collective} of unit {unit} over {ranks} ranks failed on rank "
+                        f"{dist.get_rank()}: {error}\nAnother rank probably raised or stopped before this "
+                        "collective: look for its error. How long a rank waits is the process group's "
+                        "timeout: init_process_group(..., timeout=datetime.timedelta(minutes=...)).")

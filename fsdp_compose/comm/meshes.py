@@ -29,8 +29,7 @@ class DataParallelMeshDims:
 
     def __post_init__(self) -> None:
         if self.shard is None and self.replicate is None:
-            raise ValueError("At least one of shard or replicate must be set in "
-                             "DataParallelMeshDims")
+            raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")
 
     @property
     def shard_names(self) -> tuple[str, ...]:
@@ -95,8 +94,7 @@ def dim_names(names: str | tuple[str, ...] | None) -> tuple[str, ...]:
 
 def _data_parallel_part(mesh: DeviceMesh, dims: Any) -> tuple[DeviceMesh, SpmdDims]:
     """The (replicate, shard) or shard mesh a unit communicates over, and its SpmdDims."""
-    names = mesh.mesh_dim_names
-    assert names is not None
+    names = mesh.mesh_dim_names or ()  # named: dp_mesh_dims was checked against them
     shard, replicate = dim_names(dims.shard), dim_names(dims.replicate)
     if not shard:
         dp_mesh = _replicate_only(mesh, replicate)
@@ -111,7 +109,6 @@ def _data_parallel_part(mesh: DeviceMesh, dims: Any) -> tuple[DeviceMesh, SpmdDi
 
 
 def _flat(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
-    """`mesh`'s dims `names` as one 1-D mesh (flattened when several)."""
     return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
 
 
@@ -119,11 +116,9 @@ def _flattened_spec_mesh(
     mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...], dp_mesh: DeviceMesh,
 ) -> tuple[DeviceMesh, tuple[int | str, ...]]:
     """The mesh torch's fully_shard puts a parameter sharded over several dims on."""
-    names = mesh.mesh_dim_names
-    assert names is not None
     parts: list[DeviceMesh] = []
     dims: list[int | str] = []
-    for i, name in enumerate(names):
+    for i, name in enumerate(mesh.mesh_dim_names or ()):
         if name == shard[0]:
             parts.append(dp_mesh)
             dims.extend(("replicate", "shard") if replicate else ("shard",))
@@ -137,8 +132,7 @@ def _replicate_only(mesh: DeviceMesh, replicate: tuple[str, ...]) -> DeviceMesh:
     """A (replicate, 1) mesh over `mesh`'s dims `replicate`."""
     # From the whole mesh, which every rank passes alike (Note [derived meshes]).
     def make() -> DeviceMesh:
-        names = mesh.mesh_dim_names
-        assert names is not None
+        names = mesh.mesh_dim_names or ()
         others = [i for i, n in enumerate(names) if n not in replicate]
         order = [*others, *(names.index(n) for n in replicate)]
         ranks = mesh.mesh.permute(order).reshape(*(mesh.size(i) for i in others), -1, 1)
@@ -162,10 +156,8 @@ def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def default_mesh(name: str) -> DeviceMesh:
     """A 1-D mesh over every rank of the default process group, on the accelerator if any."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            f"fully_shard({name}): no default process group. Call torch.distributed."
-            "init_process_group() first (torchrun sets up its environment), or pass mesh=."
-        )
+        raise RuntimeError(f"fully_shard({name}): no default process group. Call torch.distributed."
+                           "init_process_group() first (torchrun sets up its environment), or pass mesh=.")
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     device_type = accelerator.type if accelerator is not None else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
@@ -204,15 +196,10 @@ def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def post_forward_mesh(mesh: DeviceMesh, group_size: int) -> DeviceMesh:
     """`mesh`'s and its siblings' ranks in rows of `group_size`: dim 1 is the post-forward group."""
+    # The ranks of `mesh` and of its siblings in its root (the same on every rank).
     return _in_this_world(("post_forward", mesh, group_size), lambda: DeviceMesh(
-        mesh.device_type, sibling_ranks(mesh).reshape(-1, group_size)
+        mesh.device_type, mesh._layout.remap_to_tensor(mesh._rank_map).reshape(-1, group_size)
     ))
-
-
-def sibling_ranks(mesh: DeviceMesh) -> torch.Tensor:
-    """The ranks of `mesh` and of its siblings in its root, as (siblings, *mesh.shape)."""
-    full: torch.Tensor = mesh._layout.remap_to_tensor(mesh._rank_map)
-    return full.reshape(-1, *mesh.shape)
 
 
 def resolve_reshard_after_forward(
@@ -222,10 +209,8 @@ def resolve_reshard_after_forward(
     if value is None or isinstance(value, bool):
         return value, None
     if value == 1:
-        warnings.warn(
-            "reshard_after_forward=1 keeps the whole parameters after forward, as False does; "
-            "for freeing them (True) pass a bool.", stacklevel=4,
-        )
+        warnings.warn("reshard_after_forward=1 keeps the whole parameters after forward, as False does; "
+                      "for freeing them (True) pass a bool.", stacklevel=4)
         return False, None
     if value == mesh.size(mesh.ndim - 1):
         return True, None

@@ -16,9 +16,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.utils._pytree import tree_map_only
 
 from ..comm.collectives import barrier, is_first_rank
-from .checkpoint_files import MetadataCheckingReader, check_files, read_metadata, write_checksums
+from .checkpoint_files import MetadataCheckingReader, check_files, write_checksums
 from .first_rank import from_first_rank
 from .full_state_dict import mismatches, save_full_state_dict
 from .safetensors_writer import INCOMPLETE
@@ -70,7 +71,7 @@ def load_checkpoint(
     path = Path(path)
     _check_complete(path)
     reader = MetadataCheckingReader(path)
-    metadata = from_first_rank((lambda: read_metadata(reader)) if is_first_rank() else None)
+    metadata = from_first_rank(reader.read_metadata if is_first_rank() else None)
     check_files(path, metadata)
     saved = metadata.state_dict_metadata
     state: dict[str, Any] = {"model": dcp_state.get_model_state_dict(model)}
@@ -81,10 +82,8 @@ def load_checkpoint(
                          "Was it saved from another model or configuration?")
     if optimizer is not None:
         if not any(key.startswith("optim.") for key in saved):
-            raise ValueError(
-                f"load_checkpoint: {str(path)!r} holds no optimizer state; load it without "
-                "the optimizer, or save with save_checkpoint(path, model, optimizer)."
-            )
+            raise ValueError(f"load_checkpoint: {str(path)!r} holds no optimizer state; load it without "
+                             "the optimizer, or save with save_checkpoint(path, model, optimizer).")
         state["optim"] = dcp_state.get_optimizer_state_dict(model, optimizer)
     if "step" in saved:
         state["step"] = torch.tensor(0)
@@ -114,13 +113,7 @@ def _check_complete(path: Path) -> None:
 
 def _copies(state: Any) -> Any:
     """`state` with every tensor cloned (DTensors stay DTensors on their mesh)."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {key: _copies(value) for key, value in state.items()}
-    if isinstance(state, list):
-        return [_copies(value) for value in state]
-    return state
+    return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().clone(), state)
 
 
 def _load_failed(path: Path, failed: CheckpointException) -> str:
@@ -131,14 +124,13 @@ def _load_failed(path: Path, failed: CheckpointException) -> str:
         first_line = (str(error).strip().splitlines() or [""])[0][:200]
         ranks_by_cause.setdefault(f"{type(error).__name__}: {first_line}", []).append(str(rank))
     causes = "; ".join(f"rank {', '.join(ranks)}: {cause}" for cause, ranks in ranks_by_cause.items())
-    return (
-        f"load_checkpoint: reading {str(path)!r} failed ({causes}); the model and optimizer "
-        "are unchanged. The checkpoint is damaged: load another one."
-    )
+    return (f"load_checkpoint: reading {str(path)!r} failed ({causes}); the model and optimizer "
+            "are unchanged. The checkpoint is damaged: load another one.")
 
 
 def export_safetensors(model: nn.Module, path: str | os.PathLike[str]) -> None:
     """`save_full_state_dict` to one file `path` (kept for the callers of this earlier name)."""
     if Path(path).suffix != ".safetensors":
-        raise ValueError(f"export_safetensors: {path} must end in .safetensors (or call save_full_state_dict).")
+        raise ValueError(f"export_safetensors: {path} must end in .safetensors "
+                         "(or call save_full_state_dict).")
     save_full_state_dict(model, path)

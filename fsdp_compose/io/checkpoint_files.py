@@ -22,17 +22,6 @@ CHECKSUMS = ".checksums"  # JSON: each data file's size and CRC-32, written by s
 T = TypeVar("T")
 
 
-def read_metadata(reader: MetadataCheckingReader) -> Metadata:
-    try:
-        return reader.read_metadata()
-    except Exception as error:  # unpickling a damaged file raises almost any type
-        file = Path(reader.path) / ".metadata"
-        raise ValueError(
-            f"load_checkpoint: {str(file)!r} is damaged or truncated ({type(error).__name__}: "
-            f"{error}); nothing was loaded. Load another checkpoint."
-        ) from error
-
-
 def check_files(path: Path, metadata: Metadata) -> None:
     """Raise, on every rank, the first fault (by file name) of the data files the metadata
     names: missing, shorter than its byte ranges, or not the recorded size and CRC-32."""
@@ -50,20 +39,14 @@ def _file_fault(file: Path, end: int, recorded: dict[str, int] | None) -> Except
     try:
         size = file.stat().st_size
     except FileNotFoundError:
-        return FileNotFoundError(
-            f"load_checkpoint: {str(file)!r} is missing (the checkpoint's .metadata lists it); "
-            "nothing was loaded. Load another checkpoint."
-        )
+        return FileNotFoundError(f"load_checkpoint: {str(file)!r} is missing (the checkpoint's .metadata "
+                                 "lists it); nothing was loaded. Load another checkpoint.")
     if size < end:
-        return ValueError(
-            f"load_checkpoint: {str(file)!r} is truncated: {size} bytes, where the checkpoint's "
-            f".metadata places data up to byte {end}; nothing was loaded."
-        )
+        return ValueError(f"load_checkpoint: {str(file)!r} is truncated: {size} bytes, where the "
+                          f"checkpoint's .metadata places data up to byte {end}; nothing was loaded.")
     if recorded is not None and (size, _crc32(file)) != (recorded["size"], recorded["crc32"]):
-        return ValueError(
-            f"load_checkpoint: {str(file)!r} is damaged: its size or CRC-32 differs from the "
-            f"one save_checkpoint recorded in {CHECKSUMS}; nothing was loaded."
-        )
+        return ValueError(f"load_checkpoint: {str(file)!r} is damaged: its size or CRC-32 differs from the "
+                          f"one save_checkpoint recorded in {CHECKSUMS}; nothing was loaded.")
     return None
 
 
@@ -117,21 +100,26 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"load_checkpoint: the checkpoint metadata asks for {module}.{name}, which is not "
-            "checkpoint metadata; refusing to unpickle it."
-        )
+        raise pickle.UnpicklingError(f"load_checkpoint: the checkpoint metadata asks for {module}.{name}, "
+                                     "which is not checkpoint metadata; refusing to unpickle it.")
 
 
 class MetadataCheckingReader(FileSystemReader):
     """torch's file reader, reading metadata with `_MetadataUnpickler` (it reads tensor data
-    with torch.load(weights_only=True) already)."""
+    with torch.load(weights_only=True) already); a damaged .metadata raises a ValueError."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(Path(self.path) / ".metadata", "rb") as file:
-            metadata = _MetadataUnpickler(file).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError("load_checkpoint: .metadata holds no checkpoint metadata")
+        file = Path(self.path) / ".metadata"
+        try:
+            with open(file, "rb") as stream:
+                metadata = _MetadataUnpickler(stream).load()
+            if not isinstance(metadata, Metadata):
+                raise pickle.UnpicklingError("load_checkpoint: .metadata holds no checkpoint metadata")
+        except Exception as error:  # unpickling a damaged file raises almost any type
+            raise ValueError(
+                f"load_checkpoint: {str(file)!r} is damaged or truncated ({type(error).__name__}: "
+                f"{error}); nothing was loaded. Load another checkpoint."
+            ) from error
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
         metadata.storage_meta = storage_meta

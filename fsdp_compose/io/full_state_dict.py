@@ -24,15 +24,14 @@ _LOAD_BATCH = 64 * 1024**2  # bytes of whole tensors a rank holds before loading
 def save_full_state_dict(
     model: nn.Module, path: str | os.PathLike[str], *, max_shard_size: int = 5 * 1024**3
 ) -> None:
-    """Write `model`'s whole state dict (under the names `state_dict()` gives) as
-    safetensors from the first rank; call on every rank. `path` is a directory
-    (`model.safetensors`, or past `max_shard_size` bytes several files and an index, as
-    `save_pretrained` writes them) or a file name ending in `.safetensors`. The first rank
-    holds at most one whole tensor beyond its shards.
+    """Write `model`'s whole state dict (under the names `state_dict()` gives) as safetensors from
+    the first rank, which holds at most one whole tensor beyond its shards; call on every rank.
+    `path` is a directory (`model.safetensors`, or past `max_shard_size` bytes several files and an
+    index, as `save_pretrained` writes them) or a file name ending in `.safetensors`.
 
-    Files are written as `<name>.incomplete` and renamed once all are written. If the first
-    rank cannot write, it removes what it wrote, files already at `path` stay as they were,
-    and every rank raises the same OSError naming the file."""
+    Files are written as `<name>.incomplete` and renamed once all are written. If the first rank
+    cannot write, it removes what it wrote, files already at `path` stay as they were, and every
+    rank raises the same OSError naming the file."""
     state = _tensors(model, "save_full_state_dict")  # sharded DTensors: nothing gathered yet
     entries: Entries = [(k, t.dtype, tuple(t.shape)) for k, t in state.items()]
     files = plan_files(Path(path), entries, max_shard_size)
@@ -45,7 +44,6 @@ def save_full_state_dict(
                 whole = (whole.full_tensor() if isinstance(whole, DTensor) else whole).detach()
                 if saving is not None:
                     saving.write(whole)
-                del whole
             from_first_rank(saving.next_file if saving is not None else None)
     except BaseException:
         if saving is not None:
@@ -69,9 +67,12 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
     size = 0
     for name, target in state.items():
         entry = saved[name]
-        whole = reader.read(name, entry) if reader is not None else None
         device = target.to_local().device if isinstance(target, DTensor) else target.device
-        batch[name] = _broadcast(whole, entry, device).to(target.dtype)
+        whole = reader.read(name, entry).to(device) if reader is not None else torch.empty(
+            entry.shape, dtype=DTYPES[entry.dtype], device=device)
+        if dist.is_initialized():  # the first rank's, on every rank (on `device`: the group sends there)
+            broadcast(whole, dist.group.WORLD)  # type: ignore[arg-type]  # set once initialized
+        batch[name] = whole.to(target.dtype)
         size += batch[name].nbytes
         if size >= _LOAD_BATCH:
             _load_batch(model, batch, reader)
@@ -81,36 +82,20 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
 
 def mismatches(saved: dict[str, tuple[int, ...]], model: dict[str, tuple[int, ...]]) -> str:
     """The names and shapes where a checkpoint (`saved`) and a model differ, in words."""
-    missing = [k for k in model if k not in saved]
-    unexpected = [k for k in saved if k not in model]
-    shapes = [f"{k!r}: checkpoint {saved[k]}, model {shape}"
-              for k, shape in model.items() if k in saved and saved[k] != shape]
-    labels = ("missing keys", "unexpected keys", "shape mismatches")
-    return "; ".join(f"{label} {items}" for label, items in zip(labels, (missing, unexpected, shapes))
-                     if items)
+    found = {"missing keys": [k for k in model if k not in saved],
+             "unexpected keys": [k for k in saved if k not in model],
+             "shape mismatches": [f"{k!r}: checkpoint {saved[k]}, model {shape}"
+                                  for k, shape in model.items() if k in saved and saved[k] != shape]}
+    return "; ".join(f"{label} {items}" for label, items in found.items() if items)
 
 
 def _tensors(model: nn.Module, caller: str) -> dict[str, torch.Tensor]:
     """The model's state dict, refused if it holds anything safetensors cannot store."""
     state = model.state_dict()
     if others := [k for k, v in state.items() if not isinstance(v, torch.Tensor)]:
-        raise ValueError(
-            f"{caller}: {others} are not tensors (a module's extra state); safetensors stores "
-            "tensors only. Save such models with save_checkpoint."
-        )
+        raise ValueError(f"{caller}: {others} are not tensors (a module's extra state); safetensors stores "
+                         "tensors only. Save such models with save_checkpoint.")
     return state
-
-
-def _broadcast(whole: torch.Tensor | None, entry: Saved, device: torch.device) -> torch.Tensor:
-    """The first rank's `whole`, on every rank (on `device`, where the process group sends)."""
-    if not dist.is_initialized():
-        assert whole is not None
-        return whole
-    tensor = whole.to(device) if whole is not None else torch.empty(
-        entry.shape, dtype=DTYPES[entry.dtype], device=device)
-    assert dist.group.WORLD is not None  # initialized
-    broadcast(tensor, dist.group.WORLD)
-    return tensor
 
 
 class _Reader:
@@ -142,14 +127,11 @@ def _load_batch(model: nn.Module, batch: dict[str, torch.Tensor], reader: _Reade
 
 
 def _read(name: str, entry: Saved) -> torch.Tensor:
+    tensor = torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
     with open(entry.file, "rb") as f:
         f.seek(entry.start)
-        data = bytearray(f.read(entry.end - entry.start))
-    if len(data) != entry.end - entry.start:
-        raise ValueError(
-            f"load_full_state_dict: cannot read {entry.file}: it ends within {name!r} (bytes "
-            f"{entry.start}..{entry.end}), cut short since its header was checked."
-        )
-    if not data:
-        return torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
-    return torch.frombuffer(data, dtype=DTYPES[entry.dtype]).reshape(entry.shape)
+        # Through the buffer protocol: the bytes go straight into the tensor.
+        if f.readinto(tensor.view(-1).view(torch.uint8).numpy().data) != entry.end - entry.start:
+            raise ValueError(f"load_full_state_dict: cannot read {entry.file}: it ends within {name!r} "
+                             f"(bytes {entry.start}..{entry.end}), cut short since its header was checked.")
+    return tensor

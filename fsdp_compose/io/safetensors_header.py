@@ -35,10 +35,9 @@ class Saved(NamedTuple):
 
 
 def read_headers(path: Path) -> dict[str, Saved]:
-    """Every tensor of the checkpoint at `path` (a file, or a directory holding
-    `model.safetensors` or an index and its files), by name. FileNotFoundError for a
-    missing file; ValueError naming the file for a header or index that does not describe
-    its bytes or files exactly."""
+    """Every tensor of the checkpoint at `path` (a file, or a directory holding `model.safetensors`
+    or an index and its files), by name. FileNotFoundError for a missing file; ValueError naming
+    the file for a header or index that does not describe its bytes or files exactly."""
     files, weight_map = _checkpoint_files(path)
     saved: dict[str, Saved] = {}
     for file in files:
@@ -78,17 +77,13 @@ def _read_index(index: Path) -> dict[str, str]:
     except ValueError as error:
         raise _unreadable(index, f"it is not JSON ({error})") from None
     weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(name, str) and isinstance(file, str) and _is_plain_name(file)
+    if not isinstance(weight_map, dict) or not all(  # files beside the index, by plain name
+        isinstance(name, str) and isinstance(file, str) and file not in ("", "..") and Path(file).name == file
         for name, file in weight_map.items()
     ):
         raise _unreadable(index, 'it has no "weight_map" object mapping tensor names to file '
                           'names beside it')
     return weight_map
-
-
-def _is_plain_name(file: str) -> bool:
-    return file not in ("", "..") and Path(file).name == file
 
 
 def _check_index(index: Path, weight_map: dict[str, str], saved: dict[str, Saved]) -> None:
@@ -115,8 +110,7 @@ def _read_header(file: Path) -> dict[str, Saved]:
         if header_size > _MAX_HEADER:
             raise _unreadable(file, f"its header size ({header_size} bytes) is over safetensors' limit")
         header = _parse_header(file, f.read(header_size))
-    ranges = {name: _byte_range(file, name, info) for name, info in header.items()
-              if name != "__metadata__"}
+    ranges = {name: _byte_range(file, name, info) for name, info in header.items() if name != "__metadata__"}
     _check_layout(file, ranges, size - 8 - header_size)
     start = 8 + header_size
     return {
@@ -166,8 +160,7 @@ def _sizes(value: object) -> bool:
 
 
 def _check_layout(file: Path, ranges: dict[str, tuple[int, int]], data_size: int) -> None:
-    """The byte ranges tile the data exactly (a file cut short at a tensor boundary fails
-    only here)."""
+    """The byte ranges tile the data exactly (a file cut short at a tensor boundary fails only here)."""
     end, previous = 0, None
     for name, (begin, stop) in sorted(ranges.items(), key=lambda item: item[1]):
         if begin > end:

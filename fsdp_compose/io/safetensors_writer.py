@@ -42,8 +42,7 @@ def plan_files(path: Path, entries: Entries, max_shard_size: int) -> list[tuple[
         size += tensor_bytes
     if len(groups) == 1:
         return [(path / SINGLE_FILE, groups[0])]
-    n = len(groups)
-    return [(path / f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
+    return [(path / f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", g) for i, g in enumerate(groups)]
 
 
 class _Writer:
@@ -69,10 +68,9 @@ class _Writer:
 
 
 class Saving:
-    """The first rank's side of a save: its files written one after another under staging
-    names, renamed once all are written. A failure removes the staging files and raises an
-    OSError naming the file; one while tensors stream in waits for the file's last tensor
-    (the other ranks are gathering them) and `next_file` raises it."""
+    """The first rank's side of a save, a file after another (see the module's docstring). A
+    failure removes the staging files and raises an OSError naming the file; one while tensors
+    stream in waits for the file's last tensor (the other ranks gather them): `next_file` raises it."""
 
     def __init__(self, path: Path, files: list[tuple[Path, Entries]]) -> None:
         self._path = path
@@ -81,17 +79,27 @@ class Saving:
         self._failed: Exception | None = None
 
     def start(self) -> None:
-        _check_target([file for file, _ in self._files])
+        """Refuse what open() would refuse only at the end (a directory where a file goes) or
+        with an unclear error (a file where a directory goes); open the first file."""
+        for file, _ in self._files:
+            if file.is_dir():
+                raise IsADirectoryError(errno.EISDIR, f"save_full_state_dict: cannot write {file}: it is a "
+                                        "directory. Remove it, or pass a path without .safetensors to save "
+                                        "into it.")
+        first = self._files[0][0]
+        above = next((p for p in first.parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"save_full_state_dict: cannot write {first}: {above} "
+                                     "is a file, not a directory.")
         self._open_next()
 
     def write(self, tensor: torch.Tensor) -> None:
-        if self._failed is not None:
-            return  # the rest of this file's tensors, gathered for nothing
-        try:
-            with self._failing(self._writers[-1].path):
-                self._writers[-1].write(tensor)
-        except Exception as error:
-            self._failed = error
+        if self._failed is None:  # else the rest of this file's tensors, gathered for nothing
+            try:
+                with self._failing(self._writers[-1].path):
+                    self._writers[-1].write(tensor)
+            except Exception as error:
+                self._failed = error
 
     def next_file(self) -> None:
         """Close the file just written; open the next or, after the last, rename every file
@@ -128,7 +136,6 @@ class Saving:
 
     @contextmanager
     def _failing(self, file: Path) -> Iterator[None]:
-        """On failure, discard and raise naming `file`."""
         try:
             yield
         except Exception as error:
@@ -136,24 +143,6 @@ class Saving:
             if isinstance(error, OSError):
                 raise file_error(f"save_full_state_dict: cannot write {file}", error) from error
             raise
-
-
-def _check_target(files: list[Path]) -> None:
-    """Refuse what open() would refuse only at the end (a directory where a file goes) or
-    with an unclear error (a file where a directory goes)."""
-    for file in files:
-        if file.is_dir():
-            raise IsADirectoryError(
-                errno.EISDIR, f"save_full_state_dict: cannot write {file}: it is a directory. "
-                "Remove it, or pass a path without .safetensors to save into it."
-            )
-    folder = files[0].parent
-    above = next((p for p in (folder, *folder.parents) if p.exists()), None)
-    if above is not None and not above.is_dir():
-        raise NotADirectoryError(
-            errno.ENOTDIR, f"save_full_state_dict: cannot write {files[0]}: {above} is a file, "
-            "not a directory."
-        )
 
 
 def _write_index(path: Path, files: list[tuple[Path, Entries]]) -> None:
