@@ -15,24 +15,19 @@ from ..comm.collectives import all_reduce
 from ..comm.meshes import mesh_device
 
 
-def clip_grad_norm_(
-    parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-    error_if_nonfinite: bool = False,
-) -> torch.Tensor:
-    """Scale the gradients of `parameters` so their global norm is at most `max_norm`; return
-    the norm before scaling, the same on every rank. Gradients may be DTensors on any meshes
-    (fully sharded, HSDP, tensor parallel) or plain tensors (replicated). Call it on every
-    rank with the same parameters."""
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale the gradients of `parameters` so their global norm is at most `max_norm`; return the norm
+    before scaling, the same on every rank. Gradients may be DTensors on any meshes (fully sharded, HSDP,
+    tensor parallel) or plain tensors (replicated). Call it on every rank with the same parameters."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
     total = total_norm(grads, float(norm_type))
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"clip_grad_norm_: the total norm of order {norm_type} is {total.item()}; pass "
-            "error_if_nonfinite=False to scale anyway (the gradients become non-finite)."
-        )
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {total.item()}; "
+                           "pass error_if_nonfinite=False to scale anyway (the gradients become non-finite).")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
@@ -45,19 +40,15 @@ def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     locally, then with one all-reduce per dim: a sum of p-th powers (a max for the inf-norm)."""
     groups: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}
     for grad in grads:
-        key = _shard_dims(grad)
-        groups.setdefault(key, []).append(grad.to_local() if isinstance(grad, DTensor) else grad)
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        groups.setdefault(_shard_dims(grad), []).append(local)
     is_max = math.isinf(norm_type)
     parts = []
     for (mesh, dims), locals_ in groups.items():
-        norms = [  # an empty shard (dim 0 shorter than the mesh) contributes nothing
-            torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in locals_ if t.numel()
-        ]
-        if not norms:
-            part = torch.zeros((), device=locals_[0].device)
-        else:
-            stacked = torch.stack(norms)
-            part = stacked.max() if is_max else stacked.pow(norm_type).sum()
+        # An empty shard (dim 0 shorter than the mesh) contributes nothing.
+        norms = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in locals_ if t.numel()]
+        stacked = torch.stack(norms) if norms else torch.zeros(1, device=locals_[0].device)
+        part = stacked.max() if is_max else stacked.pow(norm_type).sum()
         if dims:
             assert mesh is not None  # dims come with a DTensor's mesh (_shard_dims)
             part = part.to(mesh_device(mesh))  # CPU-offloaded gradients reduce on the mesh's device
@@ -74,11 +65,9 @@ def _shard_dims(grad: torch.Tensor) -> tuple[DeviceMesh | None, tuple[int, ...]]
     dims = []
     for dim, placement in enumerate(grad.placements):
         if placement.is_partial():
-            raise ValueError(
-                f"clip_grad_norm_: a gradient has a Partial placement on mesh dim {dim} "
-                f"({grad.placements}); its norm needs the reduced gradient. Reduce it first "
-                "(e.g. grad.redistribute(..., Replicate())) or let the backward finish."
-            )
+            raise ValueError(f"clip_grad_norm_: a gradient has a Partial placement on mesh dim {dim} "
+                             f"({grad.placements}); its norm needs the reduced gradient. Reduce it first "
+                             "(e.g. grad.redistribute(..., Replicate())) or let the backward finish.")
         if placement.is_shard() or isinstance(placement, _StridedShard):  # FSDP over TP rows
             dims.append(dim)
     return grad.device_mesh, tuple(dims)

@@ -48,15 +48,12 @@ def peak_lower_bound(sizes: ModelSizes, setup: Setup, world_size: int) -> int:
     # 3. The second forward done: what it left allocated and, without resharding, every
     #    block's parameters (reshard_after_forward=<int>'s pieces are not counted).
     kept = sum(sizes.blocks) if setup.reshard_after_forward is False else 0
-    after_forward = (moments + kept + shards_beside(kept)
-                     + sizes.forward.get(setup.checkpoint_every, 0))
+    after_forward = moments + kept + shards_beside(kept) + sizes.forward.get(setup.checkpoint_every, 0)
     return max(at_step, computing, after_forward)
 
 
-def model_sizes(
-    build_model: Callable[[], nn.Module], blocks: str, sample_input: Any, loss_fn: LossFn,
-    device: torch.device, checkpointing: Iterable[int | None],
-) -> ModelSizes:
+def model_sizes(build_model: Callable[[], nn.Module], blocks: str, sample_input: Any, loss_fn: LossFn,
+                device: torch.device, checkpointing: Iterable[int | None]) -> ModelSizes:
     """The model's ModelSizes on `device`, with a forward for each checkpoint_blocks(every=...)
     in `checkpointing` (None: none): the model unsharded, one rank's batch, no process group."""
     batch = move_batch(sample_input, device)
@@ -83,9 +80,8 @@ def move_batch(sample_input: Any, device: torch.device) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(device), sample_input)
 
 
-def _forward_bytes(
-    model: nn.Module, batch: Any, loss_fn: LossFn, device: torch.device
-) -> tuple[int, torch.Tensor]:
+def _forward_bytes(model: nn.Module, batch: Any, loss_fn: LossFn,
+                   device: torch.device) -> tuple[int, torch.Tensor]:
     """The bytes a forward and loss leave allocated on `device` (as MemTracker counts them in
     the simulation too), and the loss."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -105,5 +101,4 @@ def device_total(snapshot: dict[torch.device, dict[str, int]], device: torch.dev
 
 
 def _param_bytes(params: Iterable[nn.Parameter]) -> int:
-    unique = {id(p): p for p in params}  # a tied parameter once
-    return sum(p.numel() * p.element_size() for p in unique.values())
+    return sum(p.nbytes for p in {id(p): p for p in params}.values())  # a tied parameter once

@@ -16,14 +16,13 @@ from .plan_setup import Plan
 def table(plans: Sequence[Plan]) -> str:
     """`plans` as aligned columns: setup, peak per rank, bytes per step, (under a budget) verdict."""
     budgeted = any(p.fits is not None for p in plans)
-    rows = [["setup", "peak per rank", "communicated per step"] + (["verdict"] if budgeted else [])]
-    for p in plans:
-        sent = "(not simulated)" if p.bytes_per_step is None else size(p.bytes_per_step)
-        rows.append([p.setup.describe(), p.peak_words(), sent] + ([p.verdict()] if budgeted else []))
+    # Without a budget every verdict is "", and rstrip() drops its column.
+    rows = [["setup", "peak per rank", "communicated per step", "verdict" if budgeted else ""]]
+    rows += [[p.setup.describe(), p.peak_words(), "(not simulated)" if p.bytes_per_step is None
+              else size(p.bytes_per_step), p.verdict()] for p in plans]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  " + "   ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows
-    )
+    return "\n".join("  " + "   ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                     for row in rows)
 
 
 def ranking(budgeted: bool) -> str:
@@ -58,17 +57,12 @@ class Progress:
 
     def finish(self, ruled_out: int) -> None:
         self._say(f"plan: {self.total} setups in {time.monotonic() - self.started:.1f} s, "
-                  f"{ruled_out} ruled out by a lower bound without simulating")
-        if self.tty:
-            print(file=self.stream, flush=True)  # ends the rewritten line
+                  f"{ruled_out} ruled out by a lower bound without simulating", end="\n")
 
-    def _say(self, line: str) -> None:
-        if self.stream is None:
-            return
-        if self.tty:
+    def _say(self, line: str, end: str = "") -> None:
+        if self.tty:  # over the last line; `end` "\n" ends it
             # Cut to the terminal's width: a line that wraps cannot be rewritten by \r.
             width = shutil.get_terminal_size().columns - 1
-            self.stream.write("\r" + line[:width].ljust(width))
-            self.stream.flush()
-        else:
+            print("\r" + line[:width].ljust(width), end=end, file=self.stream, flush=True)
+        elif self.stream is not None:
             print(line, file=self.stream, flush=True)

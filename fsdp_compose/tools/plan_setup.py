@@ -29,8 +29,7 @@ class Setup:
     cpu_offload: bool = False  # offload_policy=CPUOffloadPolicy()
 
     def apply(self, model: nn.Module, blocks: str, mesh: DeviceMesh | None = None) -> None:
-        """Annotate `model` (not yet annotated) this way over `mesh` (default: fully_shard's);
-        `blocks` names its ModuleList."""
+        """Annotate `model` (not yet annotated) this way over `mesh` (default: fully_shard's)."""
         layers = block_list(model, blocks)
         if self.checkpoint_every is not None:
             checkpoint_blocks(model, type(layers[0]), every=self.checkpoint_every)
@@ -52,11 +51,9 @@ class Setup:
         option = offload if self.reshard_after_forward is True else (
             f", reshard_after_forward={self.reshard_after_forward}{offload}")
         k = self.blocks_per_unit
-        if k == 1:
-            lines.append(f"for block in model.{blocks}:\n    fully_shard(block{option})")
-        else:
-            lines.append(f"for i in range(0, len(model.{blocks}), {k}):\n"
-                         f"    fully_shard(list(model.{blocks}[i:i + {k}]){option})")
+        lines.append(f"for block in model.{blocks}:\n    fully_shard(block{option})" if k == 1 else
+                     f"for i in range(0, len(model.{blocks}), {k}):\n"
+                     f"    fully_shard(list(model.{blocks}[i:i + {k}]){option})")
         lines.append(f"fully_shard(model{offload})")
         return "\n".join(lines)
 
@@ -65,9 +62,8 @@ class Setup:
         every = self.checkpoint_every
         checkpointing = "no activation checkpointing" if every is None else (
             "activation checkpointing of " + ("every block" if every == 1 else f"1 block in {every}"))
-        return (f"{self.blocks_per_unit} block(s)/unit, reshard_after_forward="
-                f"{self.reshard_after_forward}, {checkpointing}"
-                + (", CPU offload" if self.cpu_offload else ""))
+        return (f"{self.blocks_per_unit} block(s)/unit, reshard_after_forward={self.reshard_after_forward}, "
+                f"{checkpointing}" + (", CPU offload" if self.cpu_offload else ""))
 
 
 @dataclasses.dataclass
@@ -98,12 +94,8 @@ class Plan:
 
     def verdict(self) -> str:
         """"fits", "does not fit[: <bytes> over]", or "" without a budget."""
-        if self.fits is None:
-            return ""
-        if self.fits:
-            return "fits"
-        if self.memory_budget is None:
-            return "does not fit"
+        if self.fits is not False or self.memory_budget is None:
+            return {None: "", True: "fits", False: "does not fit"}[self.fits]
         over = size(self.peak_bytes - self.memory_budget)
         return f"does not fit: {over if self.simulated else 'at least ' + over} over"
 

@@ -1,15 +1,11 @@
 """plan(): try candidate setups of a model in one process before running it, and rank them.
-
-Each setup trains two AdamW steps as rank 0 of a `world_size`-rank job on the fake process
-group (collectives fill their outputs, so shapes and allocations are the real job's), under
-torch's MemTracker (the peak) and a dispatch mode counting the collectives' bytes. The other
-planner modules' public names are importable from here too (__all__).
-"""
+Each trains two AdamW steps as rank 0 of a `world_size`-rank job on the fake process group, under
+MemTracker (the peak) and a dispatch mode counting collective bytes. Re-exports the planner (__all__)."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,50 +13,53 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .plan_bound import ModelSizes, device_total, model_sizes, move_batch, peak_lower_bound
 from .plan_bytes import parse_size, size
 from .plan_report import Progress, ranking, table
 from .plan_setup import LossFn, Plan, Setup, block_list
 
-__all__ = [
-    "LossFn", "ModelSizes", "Plan", "Setup", "candidates", "model_sizes", "parse_size",
-    "peak_lower_bound", "plan", "ranking", "size", "table",
-]
+__all__ = ["LossFn", "ModelSizes", "Plan", "Setup", "candidates", "model_sizes", "parse_size",
+           "peak_lower_bound", "plan", "ranking", "size", "table"]
 
 
-def plan(
-    build_model: Callable[[], nn.Module], *, world_size: int, sample_input: Any,
-    memory_budget: int | str | None = None, loss_fn: LossFn | None = None,
-    setups: Sequence[Setup] | None = None, blocks: str | None = None,
-    device: torch.device | str | None = None, quiet: bool = False,
-) -> list[Plan]:
-    """Simulate `setups` (default: `candidates(...)`) of `build_model()`, trained with AdamW
-    on `sample_input` (one rank's batch; `loss_fn(model, input)`, default the output's sum),
-    as rank 0 of `world_size` ranks on `device` (default: the accelerator, else the CPU), in
-    this process, which must have no process group. Under `memory_budget` (bytes, or a size
-    such as "4MiB") a setup whose peak_lower_bound exceeds it is not simulated (`simulated`
-    False, the bound as its peak). Returns the plans ranked as ranking() says; unless
-    `quiet`, says on stderr which setup it is on."""
-    budget = _budget(memory_budget)
+def plan(build_model: Callable[[], nn.Module], *, world_size: int, sample_input: Any,
+         memory_budget: int | str | None = None, loss_fn: LossFn | None = None,
+         setups: Sequence[Setup] | None = None, blocks: str | None = None,
+         device: torch.device | str | None = None, quiet: bool = False) -> list[Plan]:
+    """Simulate `setups` (default: `candidates(...)`) of `build_model()`, trained with AdamW on
+    `sample_input` (one rank's batch; `loss_fn(model, input)`, default the output's sum), as rank 0 of
+    `world_size` ranks on `device` (default: the accelerator, else the CPU), in this process, which must
+    have no process group. Under `memory_budget` (bytes, or a size such as "4MiB") a setup whose
+    peak_lower_bound exceeds it is not simulated (`simulated` False, the bound as its peak). Returns the
+    plans ranked as ranking() says; unless `quiet`, says on stderr which setup it is on."""
+    try:  # before any simulation: a typo costs no minutes
+        budget = parse_size(memory_budget) if isinstance(memory_budget, str) else memory_budget
+    except ValueError as e:
+        raise ValueError(f"plan: memory_budget is {e}") from None
     if dist.is_initialized():
-        raise RuntimeError(
-            "plan: a process group is initialised here; plan() simulates its own (fake) one. "
-            "Call it before init_process_group, or in a separate process."
-        )
+        raise RuntimeError("plan: a process group is initialised here; plan() simulates its own "
+                           "(fake) one. Call it before init_process_group, or in a separate process.")
     on = _device(device)
     model = build_model()
     blocks = blocks or _blocks_attribute(model)
+    layers = block_list(model, blocks)
     # Named before fully_shard makes it FSDP<Name>: the printed calls name the user's class.
-    block_class = type(block_list(model, blocks)[0]).__name__
+    block_class = type(layers[0]).__name__
     if setups is None:
-        setups = candidates(world_size, len(block_list(model, blocks)), offload=on.type != "cpu")
-    del model
+        setups = candidates(world_size, len(layers), offload=on.type != "cpu")
+    del model, layers
     loss_fn = loss_fn or _sum
-    progress, plans = Progress(len(setups), quiet), []
-    sizes = None if budget is None else _sizes_or_none(
-        build_model, blocks, sample_input, loss_fn, on, {s.checkpoint_every for s in setups},
-        progress)
+    progress, plans, sizes = Progress(len(setups), quiet), [], None
+    if budget is not None:
+        try:
+            sizes = model_sizes(build_model, blocks, sample_input, loss_fn, on,
+                                {s.checkpoint_every for s in setups})
+        except (RuntimeError, NotImplementedError) as e:  # OutOfMemoryError is a RuntimeError
+            # The unsharded model cannot run here: too large for the device, or parameters on
+            # the meta device that only fully_shard initialises.
+            progress.note(f"no lower bounds, every setup simulated: the unsharded model failed ({e})")
     for k, setup in enumerate(setups, 1):
         code = setup.code(blocks, block_class)
         least = 0 if sizes is None else peak_lower_bound(sizes, setup, world_size)
@@ -76,16 +75,6 @@ def plan(
     return sorted(plans, key=_rank)
 
 
-def _budget(memory_budget: int | str | None) -> int | None:
-    """The budget in bytes, a string parsed before any simulation (a typo costs no minutes)."""
-    if not isinstance(memory_budget, str):
-        return memory_budget
-    try:
-        return parse_size(memory_budget)
-    except ValueError as e:
-        raise ValueError(f"plan: memory_budget is {e}") from None
-
-
 def _rank(p: Plan) -> tuple[bool, bool, int, float, bool, int, int]:
     """Plans that fit (or all, without a budget) by cost; misses by how far they miss; last
     those ruled out by a bound, by that bound (the real peak behind it may miss by more)."""
@@ -93,19 +82,6 @@ def _rank(p: Plan) -> tuple[bool, bool, int, float, bool, int, int]:
     recompute = 1 / p.setup.checkpoint_every if p.setup.checkpoint_every else 0.0
     return (p.fits is False, not p.simulated, miss, recompute, p.setup.cpu_offload,
             p.bytes_per_step or 0, p.peak_bytes)
-
-
-def _sizes_or_none(
-    build_model: Callable[[], nn.Module], blocks: str, sample_input: Any, loss_fn: LossFn,
-    device: torch.device, checkpointing: Iterable[int | None], progress: Progress,
-) -> ModelSizes | None:
-    """model_sizes, or None (no bounds) where the unsharded model cannot run here: too large
-    for the device, or parameters on the meta device that only fully_shard initialises."""
-    try:
-        return model_sizes(build_model, blocks, sample_input, loss_fn, device, checkpointing)
-    except (RuntimeError, NotImplementedError) as e:  # OutOfMemoryError is a RuntimeError
-        progress.note(f"no lower bounds, every setup simulated: the unsharded model failed ({e})")
-        return None
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -125,10 +101,8 @@ def candidates(world_size: int, num_blocks: int, offload: bool = False) -> list[
     (where it moves memory: an accelerator), each also with CPU offload."""
     per_unit = sorted({k for k in (1, 2, num_blocks) if 1 <= k <= num_blocks})
     reshard: list[bool | int] = [True, False] + ([world_size // 2] if world_size >= 4 else [])
-    return [
-        Setup(k, r, c, o) for o in ((False, True) if offload else (False,))
-        for k in per_unit for r in reshard for c in (None, 2, 1)
-    ]
+    return [Setup(k, r, c, o) for o in ((False, True) if offload else (False,))
+            for k in per_unit for r in reshard for c in (None, 2, 1)]
 
 
 def _sum(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -138,10 +112,8 @@ def _sum(model: nn.Module, batch: Any) -> torch.Tensor:
 
 def _blocks_attribute(model: nn.Module) -> str:
     """The dotted name of the model's largest ModuleList of one class (its blocks)."""
-    lists = [
-        (len(m), name) for name, m in model.named_modules()
-        if isinstance(m, nn.ModuleList) and len(m) and len({type(b) for b in m}) == 1
-    ]
+    lists = [(len(m), name) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) and len({type(b) for b in m}) == 1]
     if not lists:
         raise ValueError(f"plan: {type(model).__name__} has no ModuleList of blocks; pass blocks=")
     return str(max(lists)[1])
@@ -150,28 +122,18 @@ def _blocks_attribute(model: nn.Module) -> str:
 class _CollectiveBytes(TorchDispatchMode):
     """The buffer bytes of every all-gather and reduce-scatter dispatched while active."""
 
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        self.nbytes = 0
+    nbytes = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func._schema.name
         if func.namespace == "c10d" and ("allgather" in name or "reduce_scatter" in name):
             # The larger side of (output, input): lists of tensors when coalesced.
-            self.nbytes += max(_nbytes(t) for t in args[:2])
+            self.nbytes += max(sum(t.nbytes for t in tree_leaves(side)) for side in args[:2])
         return func(*args, **(kwargs or {}))
 
 
-def _nbytes(tensors: torch.Tensor | list[Any]) -> int:
-    if isinstance(tensors, torch.Tensor):
-        return tensors.nbytes
-    return sum(_nbytes(t) for t in tensors)
-
-
-def _simulate(
-    build_model: Callable[[], nn.Module], setup: Setup, world_size: int, sample_input: Any,
-    loss_fn: LossFn, blocks: str, device: torch.device,
-) -> tuple[int, int]:
+def _simulate(build_model: Callable[[], nn.Module], setup: Setup, world_size: int, sample_input: Any,
+              loss_fn: LossFn, blocks: str, device: torch.device) -> tuple[int, int]:
     """`setup`'s peak per rank and bytes communicated per step."""
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore  # no public fake group
@@ -188,17 +150,15 @@ def _simulate(
             # MemTracker's post-accumulate-grad hook runs after ours took the unsharded
             # gradient (it finds .grad None and warns); it tracked the gradient when autograd
             # made it, so the peak is right.
-            warnings.filterwarnings(
-                "ignore", "Expected a tensor or a traceable wrapper-subclass of tensor",
-                UserWarning, "torch.distributed._tools.mem_tracker",
-            )
+            warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass of "
+                                    "tensor", UserWarning, "torch.distributed._tools.mem_tracker")
             for _ in range(2):  # the second step holds AdamW's state too
                 loss_fn(model, batch).backward()
                 optim.step()
                 optim.zero_grad()
                 tracker.reset_mod_stats()  # (per-module statistics; the peak stays)
         peak = device_total(tracker.get_tracker_snapshot("peak"), device)
-        with _CollectiveBytes() as counted:
+        with _CollectiveBytes() as counted:  # type: ignore[no-untyped-call]  # torch's __init__ is untyped
             loss_fn(model, batch).backward()
         optim.zero_grad()
         return peak, counted.nbytes

@@ -1,8 +1,6 @@
-"""StepTrace: what each unit did in one or more training steps, on this rank: its
-collectives (bytes, time the rank was blocked), its forward and backward compute, and the
-memory held at each. While open it is the runtime's observer (comm/observer.py) and hooks
-its modules' forward; each span is also a torch.profiler range "fsdp::<unit> <what> <pass>".
-"""
+"""StepTrace: what each unit did in one or more training steps, on this rank: its collectives (bytes,
+time blocked), its forward and backward compute, the memory held at each. While open it is the runtime's
+observer (comm/observer.py); each span is also a torch.profiler range "fsdp::<unit> <what> <pass>"."""
 
 from __future__ import annotations
 
@@ -19,17 +17,8 @@ from ..comm.collectives import every_rank
 from ..schedule.iteration import UnitState
 from ..schedule.phase import in_backward
 from ..schedule.state import state_of
-from .trace_report import (
-    ALL_GATHER,
-    BACKWARD,
-    COMPUTE,
-    FORWARD,
-    REDUCE_SCATTER,
-    Span,
-    chrome_trace,
-    draw_timeline,
-    unit_table,
-)
+from . import trace_report
+from .trace_report import ALL_GATHER, BACKWARD, COMPUTE, FORWARD, REDUCE_SCATTER, Span
 
 
 class StepTrace:
@@ -48,18 +37,16 @@ class StepTrace:
     def __init__(self, model: nn.Module) -> None:
         self.spans: list[Span] = []
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        states = {id(s): s for m in model.modules() if (s := state_of(m)) is not None}
-        if not states:
+        self._states = {id(s): s for m in model.modules() if (s := state_of(m)) is not None}
+        if not self._states:
             raise ValueError(f"StepTrace: {type(model).__name__} has no fully_shard units.")
-        self._states: list[UnitState] = list(states.values())
-        self._state_ids = set(states)
-        self._part_of = {id(part): s for s in self._states for part in s.unit.parts}
+        self._part_of = {id(part): s for s in self._states.values() for part in s.unit.parts}
         self._hooks: list[RemovableHandle] = []
         self._origin = 0.0
         self._open: dict[tuple[int, str, str], Span] = {}  # spans begun, not yet ended
         # Events begun, not yet ended: their start and profiler range, by (part, event).
         self._events: dict[tuple[int, str], tuple[float, Any]] = {}
-        self._device = self._states[0].unit.device  # every unit of a model computes there
+        self._device = next(iter(self._states.values())).unit.device  # every unit computes there
 
     # -- opening and closing -----------------------------------------------------------------
 
@@ -67,7 +54,7 @@ class StepTrace:
         if _observer.current is not None:
             raise RuntimeError("StepTrace: another trace is open; one at a time (close it first).")
         self._origin = time.perf_counter()
-        for state in self._states:
+        for state in self._states.values():
             self._hook_forward(state)
         _observer.observe(self)
         return self
@@ -89,12 +76,10 @@ class StepTrace:
             if not in_backward():  # (a recomputation in backward belongs to backward)
                 self._begin(state, COMPUTE, FORWARD, self._now())
 
-        def forward_ended(module: nn.Module, args: Any, output: Any) -> None:
-            self._end(state, COMPUTE, FORWARD)
-
         for module in state.modules:
             self._hooks.append(module.register_forward_pre_hook(forward_began))  # after fully_shard's
-            self._hooks.append(module.register_forward_hook(forward_ended, prepend=True))  # before its
+            self._hooks.append(module.register_forward_hook(  # before fully_shard's
+                lambda *_: self._end(state, COMPUTE, FORWARD), prepend=True))
 
     # -- the runtime's events (see comm/observer.py) -------------------------------------------------
 
@@ -106,9 +91,7 @@ class StepTrace:
             name += f" {BACKWARD if in_backward() else FORWARD}"
         elif event == _observer.ISSUE_REDUCE:
             self._end(state, COMPUTE, BACKWARD)  # the unit's gradients are all there
-        record = torch.profiler.record_function(name)
-        record.__enter__()
-        self._events[id(part), event] = (self._now(), record)
+        self._events[id(part), event] = (self._now(), torch.profiler.record_function(name).__enter__())
 
     def end(self, part: object, event: str, nbytes: int = 0) -> None:
         if (state := self._part_of.get(id(part))) is None:
@@ -120,15 +103,14 @@ class StepTrace:
             phase = BACKWARD if in_backward() else FORWARD
             self._begin(state, ALL_GATHER, phase, begun, by=part, nbytes=nbytes, blocked=blocked)
         elif event == _observer.WAIT_GATHER:
-            self._end(state, ALL_GATHER, None, blocked=blocked, by=part)
+            self._end(part, ALL_GATHER, None, blocked)
         elif event == _observer.ISSUE_REDUCE and nbytes:
-            self._begin(state, REDUCE_SCATTER, BACKWARD, begun, by=part, nbytes=nbytes,
-                        blocked=blocked)
+            self._begin(state, REDUCE_SCATTER, BACKWARD, begun, by=part, nbytes=nbytes, blocked=blocked)
         elif event == _observer.WAIT_REDUCE:
-            self._end(state, REDUCE_SCATTER, BACKWARD, blocked=blocked, by=part)
+            self._end(part, REDUCE_SCATTER, BACKWARD, blocked)
 
     def backward_began(self, state: object) -> None:
-        if id(state) in self._state_ids and (id(state), COMPUTE, BACKWARD) not in self._open:
+        if id(state) in self._states and (id(state), COMPUTE, BACKWARD) not in self._open:
             self._begin(state, COMPUTE, BACKWARD, self._now())  # type: ignore[arg-type]
 
     # -- what is recorded ----------------------------------------------------------------------
@@ -143,11 +125,10 @@ class StepTrace:
         key = id(state if by is None else by), kind, phase
         self._open[key] = Span(self._name(state), kind, phase, start, start, **fields)
 
-    def _end(self, state: UnitState, kind: str, phase: str | None = None, blocked: float = 0.0,
-             by: object = None) -> None:
-        """End the open span of `state` (or `by`) of `kind`, in `phase` or either."""
+    def _end(self, by: object, kind: str, phase: str | None = None, blocked: float = 0.0) -> None:
+        """End the open span of `kind` begun `by` (a unit's state, or a part), in `phase` or either."""
         for p in (phase,) if phase else (FORWARD, BACKWARD):
-            span = self._open.pop((id(state if by is None else by), kind, p), None)
+            span = self._open.pop((id(by), kind, p), None)
             if span is not None:
                 span.end = self._now()
                 span.blocked += blocked
@@ -159,23 +140,20 @@ class StepTrace:
         """Bytes held now (see the class docstring)."""
         if self._device.type != "cpu":
             return int(torch.get_device_module(self._device.type).memory_allocated(self._device))
-        return sum(s.unit.held_bytes() for s in self._states)
+        return sum(s.unit.held_bytes() for s in self._states.values())
 
     # -- results -------------------------------------------------------------------------------
 
     def table(self) -> str:
-        """Per unit and pass: its collectives' bytes and ms, its compute, the communication
-        not hidden by compute, the peak memory."""
-        return unit_table(self.spans, on_cpu=self._device.type == "cpu")
+        """Per unit and pass: collectives' bytes and ms, compute, communication not hidden, peak memory."""
+        return trace_report.unit_table(self.spans, on_cpu=self._device.type == "cpu")
 
     def save_chrome(self, path: str) -> None:
-        """A Chrome trace (Perfetto, chrome://tracing) of every rank: a process per rank, a
-        lane per stream, a memory counter. Every rank calls it; the first writes."""
+        """A Chrome trace (Perfetto, chrome://tracing) of every rank: all call it, the first writes."""
         spans = every_rank(self.spans)
         if self.rank == 0:
-            chrome_trace(path, spans)
+            trace_report.chrome_trace(path, spans)
 
     def save_png(self, path: str) -> None:
-        """This rank's units over time above the memory held; needs matplotlib
-        (`pip install "fsdp_compose[bench]"`)."""
-        draw_timeline(path, self.spans, self.rank)
+        """This rank's units over time above the memory held; needs matplotlib (fsdp_compose[bench])."""
+        trace_report.draw_timeline(path, self.spans, self.rank)

@@ -87,14 +87,12 @@ def draw_timeline(path: str, spans: Sequence[Span], rank: int) -> None:
     import matplotlib.pyplot as plt
 
     units = list(dict.fromkeys(s.unit for s in sorted(spans, key=lambda s: s.start)))
-    colors = {FORWARD: "tab:blue", BACKWARD: "tab:orange", ALL_GATHER: "tab:green",
-              REDUCE_SCATTER: "tab:red"}  # compute by pass, collectives by kind
+    # Compute by pass, collectives by kind.
+    colors = {FORWARD: "tab:blue", BACKWARD: "tab:orange", ALL_GATHER: "tab:green", REDUCE_SCATTER: "tab:red"}
     # Rows count down (the axis is inverted): all-gathers drawn above compute, reductions below.
     offsets = {COMPUTE: (-0.3, 0.6), ALL_GATHER: (-0.5, 0.18), REDUCE_SCATTER: (0.32, 0.18)}
-    figure, (lanes, memory) = plt.subplots(
-        2, 1, figsize=(10, 1.2 + 0.45 * len(units)), sharex=True,
-        gridspec_kw={"height_ratios": [max(len(units), 2), 2]},
-    )
+    figure, (lanes, memory) = plt.subplots(2, 1, figsize=(10, 1.2 + 0.45 * len(units)), sharex=True,
+                                           gridspec_kw={"height_ratios": [max(len(units), 2), 2]})
     for s in spans:
         y, height = offsets[s.kind]
         color = colors[s.phase if s.kind == COMPUTE else s.kind]
