@@ -186,9 +186,8 @@ class Gatherer:
     def _register(self, unsharded: bool) -> None:
         """Register the unsharded (or the sharded) parameters on their modules."""
         if (layout := self._part.layout) is not None:
-            form = 2 if unsharded else 1  # see OwnerForms
-            for forms in layout.registrations:
-                forms[0].update(forms[form])
+            for parameters, sharded_forms, unsharded_forms in layout.registrations:
+                parameters.update(unsharded_forms if unsharded else sharded_forms)
         else:  # a parameter changed since the layout: it knows its forms
             for p in self.params:
                 if unsharded:
