@@ -82,11 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     build, loss = _model(args)
     budget = None if args.budget is None else parse_size(args.budget)
     plans = plan(build, world_size=args.world_size, sample_input=tokens, memory_budget=budget, loss_fn=loss)
-    _report(args, budget, plans)
-
-
-def _report(args: argparse.Namespace, budget: int | None, plans: list[Plan]) -> None:
-    """The budget as read, how the setups are ranked, their table, and the best one's calls."""
+    # The budget as read, how the setups are ranked, their table, and the best one's calls.
     read = "" if budget is None else f", budget {args.budget} = {budget:,} bytes ({size(budget)}) per rank"
     print(f"{args.model}, {args.world_size} ranks{read}.")
     print(textwrap.fill(ranking(budget is not None) + " Best first:", width=92) + "\n")

@@ -133,7 +133,18 @@ def check_mesh(where: str, mesh: object, dp_mesh_dims: object, reshard_after_for
     """fully_shard's mesh, or one shard_placement_fn returned: this rank's, on a device here."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{where}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    check_rank_in(where, mesh)
+    # Refuse a mesh without this rank: torch would fail later with a bare IndexError, or a
+    # collective would wait for ranks that never come.
+    if mesh.get_coordinate() is None:
+        ranks = mesh.mesh  # listed when few, else counted
+        listed = ranks.tolist() if ranks.numel() <= 16 else (
+            f"{ranks.numel()} from {int(ranks.min())} to {int(ranks.max())}")
+        raise ValueError(
+            f"{where}: rank {dist.get_rank()} is not in the mesh (shape {tuple(mesh.shape)}, dims "
+            f"{mesh.mesh_dim_names or 'unnamed'}, ranks {listed}): build the mesh over ranks that "
+            "include every rank that calls fully_shard with it (e.g. init_device_mesh over the "
+            "whole world), or call fully_shard with it only on the mesh's ranks."
+        )
     if dp_mesh_dims is not None:
         check_dp_mesh_dims(where, mesh, dp_mesh_dims, reshard_after_forward)
     device_type = mesh.device_type
@@ -220,18 +231,3 @@ def check_params(name: str, collected: Collected, device: torch.device, meshes: 
                 "on the parameters' device type, or move the module there first."
             )
 
-
-def check_rank_in(where: str, mesh: DeviceMesh) -> None:
-    """Refuse a mesh without this rank: torch would fail later with a bare IndexError, or a
-    collective would wait for ranks that never come."""
-    if mesh.get_coordinate() is not None:  # this rank is in the mesh
-        return
-    ranks = mesh.mesh  # listed when few, else counted
-    listed = ranks.tolist() if ranks.numel() <= 16 else (
-        f"{ranks.numel()} from {int(ranks.min())} to {int(ranks.max())}")
-    raise ValueError(
-        f"{where}: rank {dist.get_rank()} is not in the mesh (shape {tuple(mesh.shape)}, dims "
-        f"{mesh.mesh_dim_names or 'unnamed'}, ranks {listed}): build the mesh over ranks that "
-        "include every rank that calls fully_shard with it (e.g. init_device_mesh over the "
-        "whole world), or call fully_shard with it only on the mesh's ranks."
-    )

@@ -28,9 +28,10 @@ from .checks import (
     check_options,
     check_params,
     collect_params,
+    unit_modules,
 )
 from .fsdp_module import FSDPModule, annotated_states
-from .init import move_buffers, sync_from_first_rank, unit_buffers
+from .init import move_buffers, sync_from_first_rank
 from .placement import ShardPlacementFn, shard_placements
 from .state_dict import install_state_dict_hooks
 
@@ -91,12 +92,18 @@ def fully_shard(
     check_mesh(f"fully_shard({name})", mesh, dp_mesh_dims, reshard_after_forward)
     resolved = unit_mesh(mesh, reshard_after_forward, dp_mesh_dims)
     collected = collect_params(modules, set(ignored_params or ()))
-    collected, borrowed = _split_tied(name, collected, resolved, mp_policy)
+    owners = [owner_of(param) for _, param, _ in collected]  # tied to another unit's: borrowed
+    borrowed = [Borrowed(fqn, *o, holders) for (fqn, _, holders), o in zip(collected, owners) if o]
+    for tied in borrowed:
+        check_borrowable(name, tied, resolved, mp_policy)
+    collected = [c for c, owner in zip(collected, owners) if owner is None]
     placements = shard_placements(name, collected, shard_placement_fn, resolved, reshard_after_forward)
     check_params(name, collected, resolved.device, [param_mesh for _, param_mesh in placements])
     policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]
     if sync_module_states:
-        tensors = [p for _, p, _ in collected] + unit_buffers(modules)
+        # The parameters and buffers outside inner units (those synced their own).
+        buffers = [b for m in modules for _, owner in unit_modules(m) for b in owner._buffers.values()]
+        tensors = [p for _, p, _ in collected] + [b for b in buffers if b is not None]
         sync_from_first_rank(tensors, resolved.mesh, resolved.device)  # data-parallel dims only
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     _annotate(modules, name, collected, placements, policies, borrowed, resolved, mp_policy, offload)
@@ -104,16 +111,6 @@ def fully_shard(
     sharded = [p for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False)]
     watch([*sharded, *(ignored_params or ())])
     return module  # type: ignore[return-value]  # annotated in place: now FSDPModules
-
-
-def _split_tied(
-    name: str, collected: Collected, resolved: UnitMesh, mp_policy: MixedPrecisionPolicy
-) -> tuple[Collected, list[Borrowed]]:
-    owners = [owner_of(param) for _, param, _ in collected]
-    borrowed = [Borrowed(fqn, *o, holders) for (fqn, _, holders), o in zip(collected, owners) if o]
-    for tied in borrowed:
-        check_borrowable(name, tied, resolved, mp_policy)
-    return [c for c, owner in zip(collected, owners) if owner is None], borrowed
 
 
 def _annotate(
@@ -166,9 +163,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     `generate` that does not call forward). A no-op when `module` is not annotated."""
     if not isinstance(module, FSDPModule):
         return
-    if not hasattr(module, method_name):
+    if (method := getattr(module, method_name, None)) is None:
         raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register")
-    method = getattr(module, method_name)
     state = module._state()
 
     @functools.wraps(method)

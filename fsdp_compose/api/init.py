@@ -13,7 +13,6 @@ from torch.distributed.tensor import DTensor
 from ..comm.collectives import broadcast
 from ..param.sharded_param import ShardedParam
 from ..schedule.state import state_of
-from .checks import unit_modules
 
 
 def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:
@@ -40,10 +39,10 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
         )
     if init_fn is None:
         _check_resettable(module)
+    states = [state for m in module.modules() if (state := state_of(m)) is not None]
     owned = {  # (id(owner), attribute) -> the sharded parameter there
-        (id(owner), attr): param
-        for m in module.modules() if (state := state_of(m)) is not None
-        for param in state.unit.params for owner, attr in param.owners
+        (id(owner), attr): param for state in states for param in state.unit.params
+        for owner, attr in param.owners
     }
     whole: dict[ShardedParam, nn.Parameter] = {}
     owners_left: dict[ShardedParam, int] = {}
@@ -60,26 +59,18 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
             init_fn(m)
         else:
             m.reset_parameters()  # type: ignore[operator]
-        for _, param in mine:
+        for _, param in mine:  # after its last owner's init, keep this rank's shard of `param`
             if param is not None and param in whole:
-                _shard_if_done(param, whole, owners_left)
+                owners_left[param] -= 1
+                if not owners_left[param]:
+                    param.materialize(whole.pop(param).detach())
+                    for owner, attr in param.owners:
+                        owner._parameters[attr] = param.sharded
 
     with torch.no_grad():
         visit(module, root.unit.device)
-    for m in module.modules():
-        if (state := state_of(m)) is not None:
-            state.unit.shards_replaced()
-
-
-def _shard_if_done(
-    param: ShardedParam, whole: dict[ShardedParam, nn.Parameter], owners_left: dict[ShardedParam, int]
-) -> None:
-    """One owner of `param` was initialised: after the last, keep this rank's shard."""
-    owners_left[param] -= 1
-    if not owners_left[param]:
-        param.materialize(whole.pop(param).detach())
-        for owner, attr in param.owners:
-            owner._parameters[attr] = param.sharded
+    for state in states:
+        state.unit.shards_replaced()
 
 
 def _materialize_own(
@@ -126,12 +117,6 @@ def _check_resettable(module: nn.Module) -> None:
                 "buffers on the meta device but no reset_parameters(); pass "
                 "init_fn=<function of a module> that initialises them."
             )
-
-
-def unit_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
-    """The buffers under `modules` outside inner units (those synced their own)."""
-    owners = [owner for m in modules for _, owner in unit_modules(m)]
-    return [b for owner in owners for b in owner._buffers.values() if b is not None]
 
 
 def sync_from_first_rank(tensors: Iterable[torch.Tensor], mesh: DeviceMesh, device: torch.device) -> None:

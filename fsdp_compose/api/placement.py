@@ -32,25 +32,17 @@ def shard_placements(
     placements = []
     for fqn, param, _ in params:
         where = f"fully_shard({name}): shard_placement_fn for parameter {fqn!r}"
-        placement, info = _placement_and_mesh_info(where, fn(param))
-        resolved = mesh
-        if info is not None:
+        placement, resolved = fn(param), mesh
+        if hasattr(placement, "placement"):  # a ShardPlacementResult (None, Shard: on the unit's mesh)
+            info: Any = getattr(placement, "mesh_info", None)
+            if not isinstance(getattr(info, "mesh", None), DeviceMesh):
+                raise ValueError(f"{where} returned {placement!r}, whose mesh_info has no DeviceMesh `mesh`.")
             key = (info.mesh, getattr(info, "spmd_mesh", None))
             if key not in meshes:
                 meshes[key] = _other_mesh(where, info, mesh, reshard_after_forward)
-            resolved = meshes[key]
+            placement, resolved = placement.placement, meshes[key]
         placements.append((_shard_dim(where, param, placement, resolved), resolved))
     return placements
-
-
-def _placement_and_mesh_info(where: str, result: object) -> tuple[object, Any]:
-    """The placement, and the mesh info of a ShardPlacementResult (None: the unit's)."""
-    if result is None or isinstance(result, Shard) or not hasattr(result, "placement"):
-        return result, None
-    info = getattr(result, "mesh_info", None)
-    if not isinstance(getattr(info, "mesh", None), DeviceMesh):
-        raise ValueError(f"{where} returned {result!r}, whose mesh_info has no DeviceMesh `mesh`.")
-    return result.placement, info
 
 
 def _other_mesh(where: str, info: Any, mesh: UnitMesh, reshard_after_forward: bool | int | None) -> UnitMesh:
