@@ -162,13 +162,8 @@ def reduce_scatter(
     return work if async_op else None
 
 
-def _all_gather_options(async_op: bool) -> AllgatherOptions:
-    options = AllgatherOptions()
-    options.asyncOp = async_op
-    return options
-
-
-_ALL_GATHER_OPTIONS = (_all_gather_options(False), _all_gather_options(True))
+_ALL_GATHER_OPTIONS = (AllgatherOptions(), AllgatherOptions())  # by async_op
+_ALL_GATHER_OPTIONS[0].asyncOp = False
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType, group: ProcessGroup) -> None:

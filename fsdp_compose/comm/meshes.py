@@ -103,29 +103,23 @@ def _data_parallel_part(mesh: DeviceMesh, dims: Any) -> tuple[DeviceMesh, SpmdDi
     else:
         dp_mesh = DeviceMesh._concatenate([_flat(mesh, replicate), _flat(mesh, shard)])
     indices = tuple(names.index(n) for n in (*replicate, *shard))
-    shard_indices = tuple(names.index(n) for n in shard)
-    spec = _flattened_spec_mesh(mesh, shard, replicate, dp_mesh) if len(shard) > 1 else None
-    return dp_mesh, SpmdDims(mesh, shard_indices, indices, spec)
+    spec: tuple[DeviceMesh, tuple[int | str, ...]] | None = None
+    if len(shard) > 1:  # the mesh torch's fully_shard puts a parameter sharded over several dims on
+        parts: list[DeviceMesh] = []
+        spec_dims: list[int | str] = []
+        for i, name in enumerate(names):
+            if name == shard[0]:
+                parts.append(dp_mesh)
+                spec_dims.extend(("replicate", "shard") if replicate else ("shard",))
+            elif name not in shard and name not in replicate:
+                parts.append(mesh[name])
+                spec_dims.append(i)
+        spec = DeviceMesh._concatenate(parts), tuple(spec_dims)
+    return dp_mesh, SpmdDims(mesh, indices[len(replicate):], indices, spec)
 
 
 def _flat(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
-
-
-def _flattened_spec_mesh(
-    mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...], dp_mesh: DeviceMesh,
-) -> tuple[DeviceMesh, tuple[int | str, ...]]:
-    """The mesh torch's fully_shard puts a parameter sharded over several dims on."""
-    parts: list[DeviceMesh] = []
-    dims: list[int | str] = []
-    for i, name in enumerate(mesh.mesh_dim_names or ()):
-        if name == shard[0]:
-            parts.append(dp_mesh)
-            dims.extend(("replicate", "shard") if replicate else ("shard",))
-        elif name not in shard and name not in replicate:
-            parts.append(mesh[name])
-            dims.append(i)
-    return DeviceMesh._concatenate(parts), tuple(dims)
 
 
 def _replicate_only(mesh: DeviceMesh, replicate: tuple[str, ...]) -> DeviceMesh:
@@ -220,7 +214,5 @@ def resolve_reshard_after_forward(
 def separate_group(group: ProcessGroup) -> ProcessGroup:
     """A second process group over `group`'s ranks, created once (a collective among them)."""
     ranks = dist.get_process_group_ranks(group)
-    made: ProcessGroup = _in_this_world(
-        ("separate", tuple(ranks)), lambda: dist.new_group(ranks, use_local_synchronization=True)
-    )
-    return made
+    return cast(ProcessGroup, _in_this_world(
+        ("separate", tuple(ranks)), lambda: dist.new_group(ranks, use_local_synchronization=True)))

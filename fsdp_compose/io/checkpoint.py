@@ -69,7 +69,16 @@ def load_checkpoint(
     rank. Tensors are read into copies of this rank's state (one more copy at the peak),
     which replace the originals only once every rank read everything."""
     path = Path(path)
-    _check_complete(path)
+    if not (path / ".metadata").is_file():
+        staged = path.name.endswith(INCOMPLETE) or path.with_name(path.name + INCOMPLETE).exists()
+        previous = path.with_name(path.name + REPLACED)
+        raise FileNotFoundError(
+            f"load_checkpoint: {str(path)!r} is not a complete checkpoint (no .metadata)"
+            + ("; a save into it was interrupted" if staged else "")
+            + (f"; the checkpoint it replaced is at {str(previous)!r}"
+               if (previous / ".metadata").is_file() else "")
+            + ". Load the last checkpoint that save_checkpoint finished."
+        )
     reader = MetadataCheckingReader(path)
     metadata = from_first_rank(reader.read_metadata if is_first_rank() else None)
     check_files(path, metadata)
@@ -96,19 +105,6 @@ def load_checkpoint(
     if optimizer is not None:
         dcp_state.set_optimizer_state_dict(model, optimizer, state["optim"])
     return int(state["step"]) if "step" in state else None
-
-
-def _check_complete(path: Path) -> None:
-    if not (path / ".metadata").is_file():
-        staged = path.name.endswith(INCOMPLETE) or path.with_name(path.name + INCOMPLETE).exists()
-        previous = path.with_name(path.name + REPLACED)
-        raise FileNotFoundError(
-            f"load_checkpoint: {str(path)!r} is not a complete checkpoint (no .metadata)"
-            + ("; a save into it was interrupted" if staged else "")
-            + (f"; the checkpoint it replaced is at {str(previous)!r}"
-               if (previous / ".metadata").is_file() else "")
-            + ". Load the last checkpoint that save_checkpoint finished."
-        )
 
 
 def _copies(state: Any) -> Any:

@@ -28,11 +28,15 @@ def check_files(path: Path, metadata: Metadata) -> None:
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    recorded = _recorded_checksums(path)
+    try:
+        recorded: dict[str, dict[str, int]] = json.loads((path / CHECKSUMS).read_text())
+    except FileNotFoundError:
+        recorded = {}  # a checkpoint saved otherwise
+    except ValueError as error:
+        raise ValueError(f"load_checkpoint: {str(path / CHECKSUMS)!r} is damaged ({error}).") from error
     faults = _shared(sorted(ends), lambda n: _file_fault(path / n, ends[n], recorded.get(n)))
-    first = min((f for f in faults.values() if f is not None), key=str, default=None)
-    if first is not None:
-        raise first
+    if found := sorted((f for f in faults.values() if f is not None), key=str):
+        raise found[0]
 
 
 def _file_fault(file: Path, end: int, recorded: dict[str, int] | None) -> Exception | None:
@@ -61,21 +65,8 @@ def write_checksums(folder: Path) -> None:
 def _shared(names: list[str], work: Callable[[str], T]) -> dict[str, T]:
     """`work(name)` for every name, each rank doing a share; the same dict on every rank."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    done: dict[str, T] = {}
-    for share in every_rank({name: work(name) for name in names[rank::world]}):
-        done.update(share)
-    return done
-
-
-def _recorded_checksums(path: Path) -> dict[str, dict[str, int]]:
-    """The checksums save_checkpoint recorded; none for a checkpoint saved otherwise."""
-    try:
-        recorded: dict[str, dict[str, int]] = json.loads((path / CHECKSUMS).read_text())
-    except FileNotFoundError:
-        return {}
-    except ValueError as error:
-        raise ValueError(f"load_checkpoint: {str(path / CHECKSUMS)!r} is damaged ({error}).") from error
-    return recorded
+    return {name: done for share in every_rank({n: work(n) for n in names[rank::world]})
+            for name, done in share.items()}
 
 
 def _crc32(file: Path) -> int:

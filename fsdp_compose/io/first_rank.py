@@ -24,7 +24,7 @@ def from_first_rank(step: Callable[[], T] | None) -> T:
             value = step()
         except Exception as raised:
             error = raised
-    value, shared = broadcast_object((value, _portable(error)))
+    value, shared = broadcast_object((value, None if error is None else _portable(error)))
     if shared is None:
         return cast(T, value)
     if shared is error:
@@ -32,11 +32,9 @@ def from_first_rank(step: Callable[[], T] | None) -> T:
     raise shared from error  # on the first rank, from its original error
 
 
-def _portable(error: Exception | None) -> Exception | None:
+def _portable(error: Exception) -> Exception:
     """`error` if it is a built-in exception that pickles, else a RuntimeError with its class
     and message (its class may not unpickle on the other ranks)."""
-    if error is None:
-        return None
     if type(error).__module__ == "builtins":
         with suppress(Exception):  # one that does not round-trip goes as class and message
             pickle.loads(pickle.dumps(error))

@@ -102,8 +102,7 @@ class _Reader:
     """The first rank's reads. One that fails sends zeros instead (the other ranks wait for
     a tensor), and `check` raises its error before the batch is loaded."""
 
-    def __init__(self) -> None:
-        self._failed: Exception | None = None
+    _failed: Exception | None = None
 
     def read(self, name: str, entry: Saved) -> torch.Tensor:
         if self._failed is None:

@@ -8,7 +8,7 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -45,8 +45,14 @@ def read_headers(path: Path) -> dict[str, Saved]:
             if name in saved:
                 raise _unreadable(file, f"tensor {name!r} is in {saved[name].file} too")
             saved[name] = tensor
-    if weight_map is not None:
-        _check_index(path / INDEX_FILE, weight_map, saved)
+    if weight_map is not None:  # each tensor is in the file the index names, and no file holds others
+        index = path / INDEX_FILE
+        for name, file_name in weight_map.items():
+            if name not in saved or Path(saved[name].file).name != file_name:
+                raise _unreadable(index, f"it puts {name!r} in {path / file_name}, which does not hold it")
+        if unlisted := [name for name in saved if name not in weight_map]:
+            files_holding = sorted({saved[name].file for name in unlisted})
+            raise _unreadable(index, f"it does not list {unlisted}, which {files_holding} hold")
     return saved
 
 
@@ -61,16 +67,6 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
             raise FileNotFoundError(f"load_full_state_dict: {path} holds neither {SINGLE_FILE} "
                                     f"nor {INDEX_FILE}.")
         return [path / SINGLE_FILE], None
-    weight_map = _read_index(index)
-    files = sorted({path / name for name in weight_map.values()})
-    for file in files:
-        if not file.is_file():
-            raise FileNotFoundError(f"load_full_state_dict: {index} names {file.name}, but {file} "
-                                    "does not exist.")
-    return files, weight_map
-
-
-def _read_index(index: Path) -> dict[str, str]:
     try:
         # Bytes: a damaged file raises UnicodeDecodeError, a ValueError.
         parsed = json.loads(index.read_bytes())
@@ -83,17 +79,12 @@ def _read_index(index: Path) -> dict[str, str]:
     ):
         raise _unreadable(index, 'it has no "weight_map" object mapping tensor names to file '
                           'names beside it')
-    return weight_map
-
-
-def _check_index(index: Path, weight_map: dict[str, str], saved: dict[str, Saved]) -> None:
-    """Each tensor is in the file the index names for it, and the files hold no others."""
-    for name, file in weight_map.items():
-        if name not in saved or Path(saved[name].file).name != file:
-            raise _unreadable(index, f"it puts {name!r} in {index.parent / file}, which does not hold it")
-    if unlisted := [name for name in saved if name not in weight_map]:
-        files = sorted({saved[name].file for name in unlisted})
-        raise _unreadable(index, f"it does not list {unlisted}, which {files} hold")
+    files = sorted({path / name for name in weight_map.values()})
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"load_full_state_dict: {index} names {file.name}, but {file} "
+                                    "does not exist.")
+    return files, weight_map
 
 
 def _read_header(file: Path) -> dict[str, Saved]:
@@ -109,7 +100,16 @@ def _read_header(file: Path) -> dict[str, Saved]:
                               f"of the file ({size} bytes)")
         if header_size > _MAX_HEADER:
             raise _unreadable(file, f"its header size ({header_size} bytes) is over safetensors' limit")
-        header = _parse_header(file, f.read(header_size))
+        try:
+            header = json.loads(f.read(header_size).decode())
+        except UnicodeDecodeError as error:  # a ValueError too
+            raise _unreadable(file, f"its header is not UTF-8 text ({error})") from None
+        except ValueError as error:
+            raise _unreadable(file, f"its header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise _unreadable(file, f"its header is a JSON {type(header).__name__}, not an object")
+    if not isinstance(header.get("__metadata__", {}), dict):
+        raise _unreadable(file, "its header's __metadata__ is not an object")
     ranges = {name: _byte_range(file, name, info) for name, info in header.items() if name != "__metadata__"}
     _check_layout(file, ranges, size - 8 - header_size)
     start = 8 + header_size
@@ -117,22 +117,6 @@ def _read_header(file: Path) -> dict[str, Saved]:
         name: Saved(str(file), header[name]["dtype"], header[name]["shape"], start + begin, start + end)
         for name, (begin, end) in ranges.items()
     }
-
-
-def _parse_header(file: Path, raw: bytes) -> dict[str, Any]:
-    try:
-        text = raw.decode()
-    except UnicodeDecodeError as error:
-        raise _unreadable(file, f"its header is not UTF-8 text ({error})") from None
-    try:
-        header = json.loads(text)
-    except ValueError as error:
-        raise _unreadable(file, f"its header is not JSON ({error})") from None
-    if not isinstance(header, dict):
-        raise _unreadable(file, f"its header is a JSON {type(header).__name__}, not an object")
-    if not isinstance(header.get("__metadata__", {}), dict):
-        raise _unreadable(file, "its header's __metadata__ is not an object")
-    return header
 
 
 def _byte_range(file: Path, name: str, info: object) -> tuple[int, int]:

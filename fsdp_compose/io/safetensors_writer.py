@@ -116,8 +116,17 @@ class Saving:
             with self._failing(writer.path):
                 writer.staging.replace(writer.path)
         if len(self._files) > 1:
+            weight_map = {name: file.name for file, entries in self._files for name, _, _ in entries}
+            total = sum(nbytes(*entry[1:]) for _, entries in self._files for entry in entries)
+            staging = self._path / (INDEX_FILE + INCOMPLETE)
             with self._failing(self._path / INDEX_FILE):
-                _write_index(self._path, self._files)
+                try:
+                    staging.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                  indent=2))
+                    staging.replace(self._path / INDEX_FILE)
+                except BaseException:
+                    staging.unlink(missing_ok=True)
+                    raise
         self._writers = []  # nothing left to discard
 
     def discard(self) -> None:
@@ -143,16 +152,3 @@ class Saving:
             if isinstance(error, OSError):
                 raise file_error(f"save_full_state_dict: cannot write {file}", error) from error
             raise
-
-
-def _write_index(path: Path, files: list[tuple[Path, Entries]]) -> None:
-    weight_map = {name: file.name for file, entries in files for name, _, _ in entries}
-    total = sum(nbytes(dtype, shape) for _, entries in files for _, dtype, shape in entries)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    staging = path / (INDEX_FILE + INCOMPLETE)
-    try:
-        staging.write_text(json.dumps(index, indent=2))
-        staging.replace(path / INDEX_FILE)
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise

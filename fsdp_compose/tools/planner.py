@@ -43,7 +43,12 @@ def plan(build_model: Callable[[], nn.Module], *, world_size: int, sample_input:
                            "(fake) one. Call it before init_process_group, or in a separate process.")
     on = _device(device)
     model = build_model()
-    blocks = blocks or _blocks_attribute(model)
+    if not blocks:  # the dotted name of the model's largest ModuleList of one class
+        lists = [(len(m), name) for name, m in model.named_modules()
+                 if isinstance(m, nn.ModuleList) and len(m) and len({type(b) for b in m}) == 1]
+        if not lists:
+            raise ValueError(f"plan: {type(model).__name__} has no ModuleList of blocks; pass blocks=")
+        blocks = str(max(lists)[1])
     layers = block_list(model, blocks)
     # Named before fully_shard makes it FSDP<Name>: the printed calls name the user's class.
     block_class = type(layers[0]).__name__
@@ -108,15 +113,6 @@ def candidates(world_size: int, num_blocks: int, offload: bool = False) -> list[
 def _sum(model: nn.Module, batch: Any) -> torch.Tensor:
     output = model(batch)
     return (output if isinstance(output, torch.Tensor) else output[0]).sum()
-
-
-def _blocks_attribute(model: nn.Module) -> str:
-    """The dotted name of the model's largest ModuleList of one class (its blocks)."""
-    lists = [(len(m), name) for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) and len({type(b) for b in m}) == 1]
-    if not lists:
-        raise ValueError(f"plan: {type(model).__name__} has no ModuleList of blocks; pass blocks=")
-    return str(max(lists)[1])
 
 
 class _CollectiveBytes(TorchDispatchMode):

@@ -71,25 +71,22 @@ class Gatherer:
         if self.is_unsharded or not self.params:
             return
         part, side, post_forward = self._part, self._part.streams, self._post_forward
-        if post_forward is not None and post_forward.is_kept:  # inside the smaller group
+        if post_forward is not None and post_forward.kept is not None:  # inside the smaller group
             group, sizes, inputs = post_forward.group, post_forward.sizes, post_forward.take()
             rows, written_on_compute = group.size(), True
         else:
-            written_on_compute = part.layout is None
-            layout = part.lay_out() if written_on_compute else part.layout
-            if written_on_compute:  # a new layout: its unsharded storages come freed
-                self._allocated = None
-                if self._post_forward is not None:
+            layout = part.layout
+            if written_on_compute := layout is None:  # a new layout: its unsharded storages come freed
+                layout, self._allocated = part.lay_out(), None
+                if post_forward is not None:
                     self._check_extended()
             if layout is not None and (layout.zero_copy or layout.cast_in is not None):
-                if layout.cast_in is not None:  # one foreach copy, on this stream: see CastIn
+                if layout.cast_in is not None:  # one foreach copy, on this stream: see Layout
                     self._allocate(layout)
-                    cast_in = layout.cast_in
-                    torch._foreach_copy_(cast_in.targets, cast_in.shards, non_blocking=True)
+                    torch._foreach_copy_(*layout.cast_in, non_blocking=True)
                 self._register(unsharded=True)  # zero_copy: the shards are the unsharded data
                 return
-            mesh = part.mesh
-            group, rows, sizes, inputs = mesh.shard_group, mesh.shard_size, part.sizes, None
+            group, rows, sizes, inputs = part.mesh.shard_group, part.mesh.shard_size, part.sizes, None
         if side is None:
             self._pending = self._start(group, rows, sizes, inputs, async_op)
         else:
@@ -172,8 +169,7 @@ class Gatherer:
             try:
                 gather.work.wait()
             except RuntimeError as error:
-                ranks = gather.gathered.shape[0]
-                raise collective_failed(part.label, "all-gather", ranks, error) from error
+                raise collective_failed(part.label, "all-gather", len(gather.gathered), error) from error
         self._allocate(gather.layout)
         self._copy_out(gather)
         self._buffer.release()
@@ -219,7 +215,7 @@ class Gatherer:
         post_forward = self._post_forward if keep_post_forward else None
         if not self.is_unsharded:
             if post_forward is None and self._post_forward is not None:
-                self._post_forward.drop()  # a full reshard: the kept pieces are not needed
+                self._post_forward.kept = None  # a full reshard: the kept pieces are not needed
             return
         if post_forward is not None:
             post_forward.keep()

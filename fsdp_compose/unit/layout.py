@@ -32,15 +32,6 @@ class DtypeFacts:
     mixed_dtypes: bool  # the parameters gather in different dtypes: sent as bytes
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class CastIn:
-    """A group of one rank whose shards are not what computes (another dtype, or offload to
-    CPU): one foreach copy casts (and moves) each shard into its unsharded data."""
-
-    targets: list[torch.Tensor]  # each parameter's unsharded data, flat (through .data)
-    shards: list[torch.Tensor]  # each parameter's padded shard, as many elements
-
-
 @dataclasses.dataclass(frozen=True, slots=True)  # slots: read at every gather and reduction
 class Layout:
     """One part's parameters laid out. Immutable: a change to the parameters builds a new one."""
@@ -56,9 +47,10 @@ class Layout:
     extended: list[ShardedParam]  # with all-gather hooks: see param/extension.py
     # A group of one rank (no codec, no hooks, no custom all-gather) gathers nothing. Where
     # its shards are already what computes (dtype, device), the unsharded parameters are
-    # views of them (zero_copy); else the shards are cast into the unsharded data (cast_in).
+    # views of them (zero_copy); else one foreach copy casts (and moves, from the CPU) each
+    # padded shard into its unsharded data, flat (cast_in: those targets, then the shards).
     zero_copy: bool
-    cast_in: CastIn | None
+    cast_in: tuple[list[torch.Tensor], list[torch.Tensor]] | None
 
 
 def dtype_facts(params: list[ShardedParam]) -> DtypeFacts:
@@ -104,7 +96,7 @@ def lay_out(
     needs_cast = flat is not None and (flat.dtype, flat.device) != (dtypes.param_dtype, device)
     cast_in = None
     if one_rank and not zero_copy:  # the buffers' .data: Note [version counter] in sharded_param.py
-        cast_in = CastIn([p.unsharded_buffer.data for p in params], [p.padded_shard for p in params])
+        cast_in = [p.unsharded_buffer.data for p in params], [p.padded_shard for p in params]
     return Layout(
         dtypes=dtypes, flat=flat, flat_needs_cast=needs_cast, gather_spec=gather_spec,
         reduce_spec=((rows, numel), dtypes.reduce_dtype, device), storages=storages,
@@ -127,19 +119,16 @@ def _find_extensions(
                 return False
             p.extension = None
         elif p.extension is None:
-            p.extension = GatherExtension(
-                p.fqn, p.owners[0][0], shard_mesh(mesh.mesh), p.shape, p.mp_policy
-            )
+            p.extension = GatherExtension(p.fqn, p.owners[0][0], shard_mesh(mesh.mesh), p.shape, p.mp_policy)
     return True
 
 
 def flat_shards(params: list[ShardedParam], numel: int) -> torch.Tensor | None:
     """One flat tensor holding every parameter's padded shard (each parameter's shard then
     a view of it), when they share a dtype and a device; else None."""
-    first = params[0].padded_shard
-    if not all(p.padded_shard.dtype == first.dtype and p.padded_shard.device == first.device
-               for p in params):
+    if len({(p.padded_shard.dtype, p.padded_shard.device) for p in params}) > 1:
         return None
+    first = params[0].padded_shard
     # Parameters outlive an inference_mode forward that may get here first.
     with torch.inference_mode(False), torch.no_grad():
         flat = torch.empty(numel, dtype=first.dtype, device=first.device, pin_memory=first.is_pinned())

@@ -23,11 +23,7 @@ class PostForwardShards:
         self._rows = [layout.chunk(index) for layout in self._layouts]
         self.sizes: list[int] = []  # what each piece sends per rank, set by keep
         self.as_bytes = False  # whether the kept pieces are bytes
-        self._kept: list[torch.Tensor] | None = None
-
-    @property
-    def is_kept(self) -> bool:
-        return self._kept is not None
+        self.kept: list[torch.Tensor] | None = None  # None when not kept
 
     def keep(self) -> None:
         """Copy this rank's piece of each parameter out of its unsharded data (then freed)."""
@@ -42,21 +38,17 @@ class PostForwardShards:
                 data = padded.view(torch.uint8)
                 padded = torch.nn.functional.pad(data, (0, -data.numel() % 8))
             kept.append(padded)
-        self.sizes = [piece.numel() for piece in kept]
-        self._kept = kept
+        self.sizes, self.kept = [piece.numel() for piece in kept], kept
 
     def take(self) -> list[torch.Tensor]:
         """The kept pieces, no longer kept: what the all-gather inside the group sends."""
-        kept, self._kept = self._kept, None
+        kept, self.kept = self.kept, None
         assert kept is not None, "fsdp_compose: no post-forward pieces kept to gather"
         return kept
 
-    def drop(self) -> None:
-        self._kept = None
-
     def nbytes(self) -> int:
         """What the kept pieces hold (0 when none are kept)."""
-        return 0 if self._kept is None else sum(piece.nbytes for piece in self._kept)
+        return 0 if self.kept is None else sum(piece.nbytes for piece in self.kept)
 
     def copy_out(self, gathered: torch.Tensor, all_dim0: bool) -> None:
         """Write the gathered pieces (row r: group rank r's) into each parameter's unsharded

@@ -3,6 +3,7 @@ HSDP, one all-reduce across replicas), into the unit's gradient ledger."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -83,16 +84,26 @@ class Reducer:
     ) -> _Reduction:
         """Issue the reduce-scatter of `grads`; on side streams also _post_reduce, on the same
         stream (as torch runs them on its reduction streams, off the compute stream)."""
-        part = self._part
+        part, side, final = self._part, self._part.streams, None
+        custom, shard_size = part.settings.custom_reduce_scatter, part.mesh.shard_size
         rows, flat, sizes = self._chunked(params, grads, dtypes)
-        numel = flat.numel() // part.mesh.shard_size
-        side, final = part.streams, None
         work: Work | torch.Event | None
-        if side is None:
-            reduced, work = self._reduce_scatter(flat, numel, reduction, dtypes, async_op=True)
-        else:
-            with side.reducing():  # all on this stream: overlaps compute
-                reduced, _ = self._reduce_scatter(flat, numel, reduction, dtypes, async_op=False)
+        with nullcontext() if side is None else side.reducing():  # all on this stream: overlaps compute
+            numel = flat.numel() // shard_size
+            if custom is None:
+                reduced = flat.new_empty(numel)  # cheaper than torch.empty with dtype and device
+            else:
+                reduced = allocate(custom, (numel,), flat.dtype, flat.device)
+            output, input = reduced, flat
+            if dtypes.is_complex:  # sent as real pairs, as torch.distributed sends them
+                output, input = torch.view_as_real(reduced), torch.view_as_real(flat)
+            try:
+                work = reduce_scatter(
+                    output, input, part.reduce_group, shard_size, reduction, custom, async_op=side is None
+                )
+            except RuntimeError as error:
+                raise collective_failed(part.label, "reduce-scatter", shard_size, error) from error
+            if side is not None:
                 final = self._post_reduce(params, sizes, reduced, reduction)
                 work = side.reduced()
         return _Reduction(work, rows, reduced, params, sizes, reduction, final)
@@ -107,8 +118,7 @@ class Reducer:
         else:
             sizes = [p.layout.padded_shard_numel for p in params]
             spec = ((part.mesh.shard_size, sum(sizes)), dtypes.reduce_dtype, part.device)
-        custom = self._part.settings.custom_reduce_scatter
-        if custom is None:  # row r: what rank r keeps, param after param
+        if (custom := part.settings.custom_reduce_scatter) is None:  # row r: what rank r keeps
             rows = self._buffer.take(spec)
             flat = self._buffer.flat
         else:
@@ -136,28 +146,6 @@ class Reducer:
             grads.append(grad)
         return params, grads
 
-    def _reduce_scatter(
-        self, flat: torch.Tensor, numel: int, reduction: GradReduction, dtypes: DtypeFacts,
-        async_op: bool,
-    ) -> tuple[torch.Tensor, Work | None]:
-        """Reduce-scatter `flat` (row r: rank r's `numel` values) into a new tensor."""
-        part = self._part
-        custom, shard_size = part.settings.custom_reduce_scatter, part.mesh.shard_size
-        if custom is None:
-            reduced = flat.new_empty(numel)  # cheaper than torch.empty with dtype and device
-        else:
-            reduced = allocate(custom, (numel,), flat.dtype, flat.device)
-        output, input = reduced, flat
-        if dtypes.is_complex:  # sent as real pairs, as torch.distributed sends them
-            output, input = torch.view_as_real(reduced), torch.view_as_real(flat)
-        try:
-            work = reduce_scatter(
-                output, input, part.reduce_group, shard_size, reduction, custom, async_op=async_op,
-            )
-        except RuntimeError as error:
-            raise collective_failed(part.label, "reduce-scatter", shard_size, error) from error
-        return reduced, work
-
     def finish_reduction(self) -> None:
         """Wait for the reduction `reduce_grads` started; hold its shards until backward ends."""
         if (pending := self._pending) is None:
@@ -169,9 +157,7 @@ class Reducer:
             try:
                 pending.work.wait()
             except RuntimeError as error:
-                raise collective_failed(
-                    part.label, "reduce-scatter", part.mesh.shard_size, error
-                ) from error
+                raise collective_failed(part.label, "reduce-scatter", part.mesh.shard_size, error) from error
         self._buffer.release()
         final = pending.final
         if final is None:
@@ -195,10 +181,7 @@ class Reducer:
         settings = part.settings
         if (hook := settings.all_reduce_hook) is not None:
             side, stream = part.streams, settings.all_reduce_hook_stream
-            if side is not None and stream is not None:
-                with side.detour(stream):
-                    hook(reduced)
-            else:
+            with nullcontext() if side is None or stream is None else side.detour(stream):
                 hook(reduced)
         if reduction.post_divide is not None:
             reduced.div_(reduction.post_divide)

@@ -31,19 +31,13 @@ class Unit:
         self.mesh: DeviceMesh = first.device_mesh
         self.device: torch.device = first.device
         self.streams: SideStreams | None = first.streams
-
-    @property
-    def label(self) -> str:
-        return self.parts[0].label
-
-    @property
-    def fqn_prefix(self) -> str:
-        return self.parts[0].fqn_prefix
+        self.label, self.fqn_prefix = first.label, first.fqn_prefix  # and the parts': see name
 
     def name(self, fqn: str, label: str) -> None:
         """At lazy init: the unit's fqn under its root, for its messages and parameters' fqns."""
+        self.label, self.fqn_prefix = label, f"{fqn}." if fqn else ""
         for part in self.parts:
-            part.label, part.fqn_prefix = label, f"{fqn}." if fqn else ""
+            part.label, part.fqn_prefix = self.label, self.fqn_prefix
 
     @property
     def is_unsharded(self) -> bool:
