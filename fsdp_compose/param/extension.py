@@ -35,8 +35,8 @@ def has_extension(local: torch.Tensor, where: str) -> bool:
 
 
 def carried_problem(where: str, local: torch.Tensor) -> str | None:
-    """Why a parameter whose local shard is `local` cannot be gathered, if it cannot."""
-    if has_extension(local, where) or not is_traceable_wrapper_subclass(local):
+    """Why a parameter whose local shard `local` has no all-gather hooks cannot be gathered, if it cannot."""
+    if not is_traceable_wrapper_subclass(local):
         return None
     return (
         f"{where} is a {type(local).__name__}, a tensor subclass without {PRE} / {POST}: "
@@ -70,14 +70,13 @@ class GatherExtension:
         pre = getattr(local, PRE)
         function = getattr(pre, "__func__", pre)  # a bound method is made anew at each read
         if function is not self._pre_function:  # count its parameters once, not every gather
-            self._pre_function, self._pre_count = function, len(inspect.signature(pre).parameters)
-        count = self._pre_count
-        if count not in (1, 5):
-            raise TypeError(
-                f"fsdp_compose: parameter {self._fqn!r}: {PRE} takes {count} parameters; torch's "
-                "fully_shard calls it with (mesh) or (mesh, outer_size, outer_stride, module, mp_policy)."
-            )
-        inputs, self._metadata = pre(*self._arguments[:count])
+            if (count := len(inspect.signature(pre).parameters)) not in (1, 5):
+                raise TypeError(
+                    f"fsdp_compose: parameter {self._fqn!r}: {PRE} takes {count} parameters; torch's "
+                    "fully_shard calls it with (mesh) or (mesh, outer_size, outer_stride, module, mp_policy)."
+                )
+            self._pre_function, self._pre_count = function, count
+        inputs, self._metadata = pre(*self._arguments[: self._pre_count])
         specs = [(t.shape, t.dtype, t.numel() * t.element_size()) for t in inputs]
         if self._inputs and specs != self._inputs:
             raise RuntimeError(
@@ -126,8 +125,7 @@ class GatherExtension:
 def _allocate(tensor: torch.Tensor) -> None:
     """Give a freed tensor its storage back (uninitialised)."""
     nbytes = tensor.numel() * tensor.element_size()
-    storage = tensor.untyped_storage()
-    if storage.nbytes() != nbytes:
+    if (storage := tensor.untyped_storage()).nbytes() != nbytes:
         storage.resize_(nbytes)
 
 

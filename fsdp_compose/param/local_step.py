@@ -1,14 +1,12 @@
-"""The optimizer step on local shards: torch's elementwise optimizers (SGD, Adam, AdamW and
-the like) step on the sharded parameters' local tensors, as plain tensors: the same
-arithmetic, bit for bit, without DTensor's dispatch.
+"""The optimizer step on local shards: torch's elementwise optimizers (SGD, Adam, AdamW and the like)
+step on the sharded parameters' local tensors, without DTensor's dispatch: the same arithmetic, bit for bit.
 
 Outside `step()` nothing changes: param groups hold the DTensor parameters and `optimizer.state`
 DTensors (state_dict(), DCP, clip_grad_norm_, LR schedulers and GradScaler see what they always
 see). During the step the optimizer holds the local tensors, their `.grad` the DTensor gradients'
 local tensors, and state of their local parts. Only these exact classes (an optimizer that reads
 global shapes, as Shampoo or Muon do, must see DTensors), from their second step (the first
-creates their state), through an instance `step` wrapping the class's; its step hooks run inside.
-"""
+creates their state), through an instance `step` wrapping the class's; its step hooks run inside."""
 
 from __future__ import annotations
 

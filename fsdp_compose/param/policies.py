@@ -64,9 +64,7 @@ def adopt_policy(policy: Any) -> Any:
     return ours(**{f.name: getattr(policy, f.name) for f in fields(policy)})
 
 
-_OURS_BY_NAME: dict[str, type] = {
-    cls.__name__: cls for cls in (MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy)
-}
+_OURS_BY_NAME = {c.__name__: c for c in (MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy)}
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:

@@ -57,10 +57,8 @@ class ShardedParam:
         self._local_stride = contiguous_stride(self._local_shape)
         self._chunk = self.layout.chunk(mesh.shard_rank)
         placements = (*mesh.placements[:-1], Shard(dim))
-        if self._tp is None:
-            self._spec = (mesh.mesh, placements, self.layout.shape, contiguous_stride(self.layout.shape))
-        else:
-            self._spec = self._tp.sharded_spec(mesh.mesh, placements, dim)
+        self._spec = (self._tp.sharded_spec(mesh.mesh, placements, dim) if self._tp is not None
+                      else (mesh.mesh, placements, self.layout.shape, contiguous_stride(self.layout.shape)))
         self.shape: torch.Size = self._spec[2]  # a tensor-parallel parameter's global shape
         self._store_shard(self._mine(whole), param.requires_grad)
 
@@ -68,19 +66,17 @@ class ShardedParam:
         """This rank's slice of `whole` (of the TP-local shape) on the shard dim."""
         return whole.narrow(self.layout.dim, self._chunk.start, len(self._chunk))
 
-    def _store_shard(
-        self, local: torch.Tensor, requires_grad: bool, keep: nn.Parameter | None = None
-    ) -> None:
+    def _store_shard(self, local: torch.Tensor, requires_grad: bool,
+                     keep: nn.Parameter | None = None) -> None:
         """Make `local` (this rank's slice) the shard, in the parameter object `keep` if given."""
         # Set by the unit while the local shard has all-gather hooks: looked for again.
         self.extension: GatherExtension | None = None
-        on_meta = local.is_meta
         numel = self.layout.padded_shard_numel
         self.padded_shard = zeroed_shard(local, numel, self._shard_device, self._pin_memory)
-        self.local = self.padded_shard[: self._local_shape.numel()].view(self._local_shape)
-        if not on_meta:
-            self.local.copy_(local)
-        sharded = nn.Parameter(self._as_dtensor(self.local), requires_grad=requires_grad)
+        view = self.padded_shard[: self._local_shape.numel()].view(self._local_shape)
+        if not local.is_meta:
+            view.copy_(local)
+        sharded = nn.Parameter(self._as_dtensor(view), requires_grad=requires_grad)
         if keep is not None:
             give_data(keep, sharded)
             sharded = keep
@@ -91,7 +87,7 @@ class ShardedParam:
         self.param_dtype = self.mp_policy.param_dtype or local.dtype
         own = local.dtype if REDUCE_IN_OWN_DTYPE else self.param_dtype
         self.reduce_dtype = self.mp_policy.reduce_dtype or own
-        self.allocate_unsharded_buffer(local.device if on_meta else self._device)
+        self.allocate_unsharded_buffer(local.device if local.is_meta else self._device)
 
     def move_shard_into(self, flat_piece: torch.Tensor) -> None:
         """Keep the padded shard in `flat_piece`, its part of the unit's flat shard."""
@@ -151,9 +147,7 @@ class ShardedParam:
         if registered is self.unsharded:
             return False
         if isinstance(registered, DTensor):
-            if (registered.device_mesh, tuple(registered.placements), registered.shape) != (
-                self._spec[0], tuple(self._spec[1]), self.shape
-            ):
+            if (registered.device_mesh, tuple(registered.placements), registered.shape) != self._spec[:3]:
                 raise ValueError(
                     f"fsdp_compose: parameter {self.fqn!r} was replaced by a DTensor of shape "
                     f"{tuple(registered.shape)} with {registered.placements} on "
@@ -173,8 +167,7 @@ class ShardedParam:
                 f"shape {tuple(self.shape)}. Assign a parameter of the original shape, "
                 "or annotate a freshly built module."
             )
-        for module, attr in self.owners:
-            module._parameters[attr] = self.sharded
+        self.to_sharded()
         return True
 
     def to_unsharded(self) -> None:
@@ -205,9 +198,8 @@ class ShardedParam:
     def run_grad_hooks(self) -> None:
         """Run the sharded parameter's post-accumulate-grad hooks (autograd never sees it)."""
         hooks = self.sharded._post_accumulate_grad_hooks
-        if hooks:
-            for hook in tuple(hooks.values()):
-                hook(self.sharded)
+        for hook in tuple(hooks.values()) if hooks else ():
+            hook(self.sharded)
 
     def add_to_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient shard (flat, padded) to `.grad` (None: a view of it)."""

@@ -56,25 +56,20 @@ class TensorParallel(NamedTuple):
         )
 
     def sharded_spec(self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...], dim: int) -> _Spec:
-        """The sharded parameter's spec when `dp_mesh` shards the TP-local tensor on `dim`."""
-        if self.spmd is not None:
-            return self._spmd_sharded_spec(self.spmd, dim)
-        shards = zip(self.mesh.shape, self.placements)
-        tp_shards = math.prod(size for size, placement in shards if placement.is_shard(dim))
-        if tp_shards > 1:
-            dp_placements = (*dp_placements[:-1], _StridedShard(dim, split_factor=tp_shards))
-        mesh = DeviceMesh._concatenate([dp_mesh, self.mesh])
-        return mesh, (*dp_placements, *self.placements), self.shape, self.stride
-
-    def _spmd_sharded_spec(self, spmd: SpmdDims, dim: int) -> _Spec:
-        """On the full SPMD mesh: each shard dim's Replicate becomes Shard(dim) (_StridedShard
-        when mesh dims after it shard `dim` too); several are one flattened dim (SpmdDims.spec)."""
+        """The sharded parameter's spec when `dp_mesh` shards the TP-local tensor on `dim`. On the full
+        SPMD mesh (`spmd`): each shard dim's Replicate becomes Shard(dim) (_StridedShard when mesh dims
+        after it shard `dim` too); several are one flattened dim (SpmdDims.spec)."""
+        if (spmd := self.spmd) is None:
+            shards = zip(self.mesh.shape, self.placements)
+            tp_shards = math.prod(size for size, placement in shards if placement.is_shard(dim))
+            if tp_shards > 1:
+                dp_placements = (*dp_placements[:-1], _StridedShard(dim, split_factor=tp_shards))
+            mesh = DeviceMesh._concatenate([dp_mesh, self.mesh])
+            return mesh, (*dp_placements, *self.placements), self.shape, self.stride
         placements = list(self.placements)
         for index in spmd.shard:
-            split = 1
-            for j in range(index + 1, self.mesh.ndim):
-                if isinstance(placements[j], Shard) and placements[j].dim == dim:  # type: ignore[attr-defined]
-                    split *= self.mesh.size(j)
+            after = range(index + 1, self.mesh.ndim)
+            split = math.prod(self.mesh.size(j) for j in after if placements[j].is_shard(dim))
             placements[index] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
         if spmd.spec is None:
             return self.mesh, tuple(placements), self.shape, self.stride

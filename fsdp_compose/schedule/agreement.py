@@ -19,7 +19,8 @@ _RankView = tuple[list[tuple[str, str]], str | None]
 def check_ranks_agree(units: list[Unit], mesh: DeviceMesh, problem: str | None) -> None:
     """Raise on every rank of `mesh` if any rank has a `problem` (a local check's message)
     or if the ranks' units differ in names, shapes or dtypes of their parameters."""
-    local: _RankView = ([(u.label, _digest(u)) for u in units], problem)
+    digests = [(u.label, hashlib.sha1("\n".join(_describe(u)).encode()).hexdigest()) for u in units]
+    local: _RankView = (digests, problem)
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
         if group.size() == 1:
@@ -34,9 +35,8 @@ def check_ranks_agree(units: list[Unit], mesh: DeviceMesh, problem: str | None) 
                 ) from error
             check = "model check of the first forward"
             raise collective_failed(units[0].label, check, group.size(), error) from error
-        for _, rank_problem in gathered:
-            if rank_problem is not None:
-                raise RuntimeError(rank_problem)
+        if (rank_problem := next((p for _, p in gathered if p is not None), None)) is not None:
+            raise RuntimeError(rank_problem)
         for index, (described, _) in enumerate(gathered[1:], start=1):
             if described != gathered[0][0]:
                 _raise_difference(units, gathered[0][0], described, group, index)
@@ -44,10 +44,6 @@ def check_ranks_agree(units: list[Unit], mesh: DeviceMesh, problem: str | None) 
 
 def _describe(unit: Unit) -> list[str]:
     return [f"{p.fqn} {tuple(p.shape)} {p.sharded.dtype}" for p in unit.params]
-
-
-def _digest(unit: Unit) -> str:
-    return hashlib.sha1("\n".join(_describe(unit)).encode()).hexdigest()
 
 
 def _raise_difference(

@@ -155,8 +155,7 @@ def _units_under(root: UnitState) -> list[UnitState]:
     """The units under `root`'s module in module order, labelled by their fqn."""
     states: list[UnitState] = []
     for fqn, module in root.modules[0].named_modules():
-        s = state_of(module)
-        if s is None or any(s is seen for seen in states):
+        if (s := state_of(module)) is None or s in states:  # a unit of several modules: seen
             continue
         if s is not root and s.initialised:
             raise RuntimeError(

@@ -1,7 +1,6 @@
-"""One iteration's state machine: each unit's phase and settings (UnitState), and what its root
-owns across the units of one model (Root): the forward order, the end-of-backward callback. The
-module hooks (hooks.py) unshard a unit for forward and reshard it after; pre-hooks on its outputs'
-backward nodes unshard it for backward; once done (backward_done.py) it reduces and reshards."""
+"""One iteration's state machine: each unit's phase and settings (UnitState), and what its root owns
+across the units of one model (Root): the forward order, the end-of-backward callback. Hooks (hooks.py)
+unshard a unit for forward and backward and reshard it after; backward_done.py says when backward is."""
 
 from __future__ import annotations
 
@@ -161,7 +160,7 @@ class UnitState:
         self.phase = IDLE
 
     def forget_iteration(self) -> None:
-        """IDLE and resharded, the gradients of an unfinished backward dropped."""
+        """IDLE and resharded, the gradients of an unfinished backward dropped (finished ones' kept)."""
         self.unit.reshard()
         self.unit.discard_backward()
         self.phase = IDLE
@@ -249,8 +248,7 @@ class Root:
         self.finish_backward()
 
     def reset(self) -> None:
-        """Forget the current iteration: every unit IDLE and resharded, the gradients of an
-        unfinished backward dropped (those of finished ones kept), nothing pending."""
+        """Forget the current iteration: forget_iteration on every unit, nothing pending."""
         for s in self.states:
             s.forget_iteration()
         self.forward_root = None

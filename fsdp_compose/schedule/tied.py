@@ -1,11 +1,10 @@
-"""Parameters tied across units (an embedding and an LM head in different units): one owner,
-borrowers. The first unit to annotate a parameter owns it: it gathers it and reduces its gradient.
-A later unit holding it borrows it: its modules become owners of the sharded parameter too (the
-owner's gather registers the unsharded form there as well), and it gathers the owner before each
-of its forwards and backwards. Autograd accumulates every use's gradient in the one unsharded
-parameter before the owner's last-gradient hook runs, so the owner reduces the sum once. A lending
-unit keeps its parameters from forward to backward: a borrower may run between the two, or inside
-the owner's enclosing forward."""
+"""Parameters tied across units (an embedding and an LM head in different units). The first unit to
+annotate a parameter owns it: it gathers it and reduces its gradient, once (autograd accumulates every
+use's gradient in the one unsharded parameter before the owner's last-gradient hook runs). A later unit
+holding it borrows it: its modules become owners of the sharded parameter too (the owner's gather
+registers the unsharded form there as well), and it gathers the owner before each of its forwards and
+backwards. A lending unit keeps its parameters from forward to backward: a borrower may run between
+the two, or inside the owner's enclosing forward."""
 
 from __future__ import annotations
 
@@ -60,5 +59,5 @@ def lend(borrowed: Borrowed, borrower: UnitState) -> None:
     owner.lends = True
     owner.backward_end.may_end_on_inputs = False  # see BackwardEnd
     borrower.borrowed_params.append(param)
-    if not any(owner is o for o in borrower.borrowed_from):
+    if owner not in borrower.borrowed_from:
         borrower.borrowed_from.append(owner)

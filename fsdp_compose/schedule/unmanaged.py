@@ -57,30 +57,24 @@ def _look(module: nn.Module, args: Any) -> None:
         return
     names = [fqn for fqn, p in module.named_parameters()
              if p.requires_grad and not hasattr(p, _ACCOUNTED_MARK)]
-    if names:
-        _warn_at_user_call(
-            f"fsdp_compose: {type(module).__name__} holds fully_shard units but is not one, and its "
-            f"parameters {names} are in no unit: each rank trains them apart, unsynchronised, and "
-            "they drift. Annotate it too, after its blocks (fully_shard(model); its ignored_params "
-            "stay whole but are then yours to synchronise); to keep them apart on purpose, filter "
-            "fsdp_compose.UnmanagedParametersWarning."
-        )
-
-
-# Frames of these packages sit between the user's call and the hook that warns.
-_INTERNAL = ("torch", __name__.split(".")[0])
-
-
-def _warn_at_user_call(message: str) -> None:
-    """Warn as from the user's line that ran the forward: the hook runs inside torch's
-    Module.__call__, so a fixed stacklevel would name torch's module.py, which a filter on
-    the user's module misses and a filter on torch hides. warn_explicit, not a counted
-    stacklevel: warnings.warn's own frame skipping (importlib's) would shift the count."""
+    if not names:
+        return
+    message = (
+        f"fsdp_compose: {type(module).__name__} holds fully_shard units but is not one, and its "
+        f"parameters {names} are in no unit: each rank trains them apart, unsynchronised, and "
+        "they drift. Annotate it too, after its blocks (fully_shard(model); its ignored_params "
+        "stay whole but are then yours to synchronise); to keep them apart on purpose, filter "
+        "fsdp_compose.UnmanagedParametersWarning."
+    )
+    # Warn as from the user's line that ran the forward: this hook runs inside torch's
+    # Module.__call__, so a fixed stacklevel would name torch's module.py, which a filter on
+    # the user's module misses and a filter on torch hides. warn_explicit, not a counted
+    # stacklevel: warnings.warn's own frame skipping (importlib's) would shift the count.
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and str(frame.f_globals.get("__name__")).split(".")[0] in _INTERNAL:
         frame = frame.f_back  # to the innermost frame outside torch and fsdp_compose
     if frame is None:  # no user code on this stack (a thread started inside torch)
-        warnings.warn(message, UnmanagedParametersWarning, stacklevel=3)
+        warnings.warn(message, UnmanagedParametersWarning, stacklevel=2)
         return
     module_globals = frame.f_globals
     warnings.warn_explicit(
@@ -89,3 +83,7 @@ def _warn_at_user_call(message: str) -> None:
         registry=module_globals.setdefault("__warningregistry__", {}),
         module_globals=module_globals,
     )
+
+
+# Frames of these packages sit between the user's call and the hook that warns.
+_INTERNAL = ("torch", __name__.split(".")[0])
