@@ -57,7 +57,8 @@ def check_reshard_after_forward(value: object, where: str, shard_size: int | Non
 
 
 def check_options(
-    name: str, reshard_after_forward: object, shard_placement_fn: object, mp_policy: object, offload_policy: object
+    name: str, reshard_after_forward: object, shard_placement_fn: object, mp_policy: object,
+    offload_policy: object,
 ) -> None:
     where = f"fully_shard({name})"
     check_reshard_after_forward(reshard_after_forward, where, None)

@@ -55,7 +55,9 @@ class CommSetters:
         setattr(comm, attr, value)
         comm.changed_by = type(self).__name__
 
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
         """Reduce zeros for parameters this rank's backward did not reach (mixture of experts),
         so all ranks send the same reduce-scatter; such a `.grad` is a tensor, never None."""
         for state in self._states(recurse):

@@ -121,8 +121,8 @@ class Saving:
             staging = self._path / (INDEX_FILE + INCOMPLETE)
             with self._failing(self._path / INDEX_FILE):
                 try:
-                    staging.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                  indent=2))
+                    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                    staging.write_text(json.dumps(index, indent=2))
                     staging.replace(self._path / INDEX_FILE)
                 except BaseException:
                     staging.unlink(missing_ok=True)

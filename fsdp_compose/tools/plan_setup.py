@@ -94,8 +94,12 @@ class Plan:
 
     def verdict(self) -> str:
         """"fits", "does not fit[: <bytes> over]", or "" without a budget."""
-        if self.fits is not False or self.memory_budget is None:
-            return {None: "", True: "fits", False: "does not fit"}[self.fits]
+        if self.fits is None:
+            return ""
+        if self.fits:
+            return "fits"
+        if self.memory_budget is None:
+            return "does not fit"
         over = size(self.peak_bytes - self.memory_budget)
         return f"does not fit: {over if self.simulated else 'at least ' + over} over"
 

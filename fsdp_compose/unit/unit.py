@@ -31,13 +31,19 @@ class Unit:
         self.mesh: DeviceMesh = first.device_mesh
         self.device: torch.device = first.device
         self.streams: SideStreams | None = first.streams
-        self.label, self.fqn_prefix = first.label, first.fqn_prefix  # and the parts': see name
+
+    @property
+    def label(self) -> str:
+        return self.parts[0].label
+
+    @property
+    def fqn_prefix(self) -> str:
+        return self.parts[0].fqn_prefix
 
     def name(self, fqn: str, label: str) -> None:
         """At lazy init: the unit's fqn under its root, for its messages and parameters' fqns."""
-        self.label, self.fqn_prefix = label, f"{fqn}." if fqn else ""
         for part in self.parts:
-            part.label, part.fqn_prefix = self.label, self.fqn_prefix
+            part.label, part.fqn_prefix = label, f"{fqn}." if fqn else ""
 
     @property
     def is_unsharded(self) -> bool:
