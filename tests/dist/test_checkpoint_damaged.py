@@ -139,7 +139,8 @@ def test_loading_costs_at_most_one_copy_of_the_shards_and_state(ranks, tmp_path)
     where it peaks before (the copies then overlap tensors already freed)."""
     results = ranks.run(check_load_peak, path=str(tmp_path / "ckpt"))
     for extra, shards, state in results:
-        assert 0 <= extra <= shards + state + 1024, (extra, shards, state)
+        # 1 KiB either way: small allocations (a step count, a metadata object) vary by run.
+        assert -1024 <= extra <= shards + state + 1024, (extra, shards, state)
     assert any(extra >= (shards + state) / 2 for extra, shards, state in results), results
 
 
