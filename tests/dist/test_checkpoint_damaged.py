@@ -128,9 +128,10 @@ def check_load_peak(path: str) -> tuple[int, int, int]:
     state = sum(v.to_local().nbytes for s in optim.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0)
     load_checkpoint(path, model, optim)  # what a first load sets up once is not counted
+    # The least of three loads each: how much of DCP's reading overlaps varies by run.
     with mock.patch.object(checkpoint, "_copies", lambda tree: tree):
-        in_place = load_peak(path, model, optim)
-    return load_peak(path, model, optim) - in_place, shards, state
+        in_place = min(load_peak(path, model, optim) for _ in range(3))
+    return min(load_peak(path, model, optim) for _ in range(3)) - in_place, shards, state
 
 
 def test_loading_costs_at_most_one_copy_of_the_shards_and_state(ranks, tmp_path):
@@ -139,8 +140,7 @@ def test_loading_costs_at_most_one_copy_of_the_shards_and_state(ranks, tmp_path)
     where it peaks before (the copies then overlap tensors already freed)."""
     results = ranks.run(check_load_peak, path=str(tmp_path / "ckpt"))
     for extra, shards, state in results:
-        # 1 KiB either way: small allocations (a step count, a metadata object) vary by run.
-        assert -1024 <= extra <= shards + state + 1024, (extra, shards, state)
+        assert 0 <= extra <= shards + state + 1024, (extra, shards, state)
     assert any(extra >= (shards + state) / 2 for extra, shards, state in results), results
 
 
