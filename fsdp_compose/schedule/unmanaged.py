@@ -47,6 +47,10 @@ def stop_watching() -> None:
         _hook = None
 
 
+# Frames of these packages sit between the user's call and the hook that warns.
+_INTERNAL = ("torch", __name__.split(".")[0])
+
+
 def _look(module: nn.Module, args: Any) -> None:
     """Before the first root: warn of a module holding units, not one, with trainable parameters in none."""
     if module in _looked_at or state_of(module) is not None:
@@ -84,6 +88,3 @@ def _look(module: nn.Module, args: Any) -> None:
         module_globals=module_globals,
     )
 
-
-# Frames of these packages sit between the user's call and the hook that warns.
-_INTERNAL = ("torch", __name__.split(".")[0])
