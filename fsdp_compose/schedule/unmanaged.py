@@ -87,4 +87,3 @@ def _look(module: nn.Module, args: Any) -> None:
         registry=module_globals.setdefault("__warningregistry__", {}),
         module_globals=module_globals,
     )
-
