@@ -138,7 +138,8 @@ ALLOCATIONS = ("aten::empty", "aten::empty_strided", "aten::new_empty", "aten::n
 
 
 class Allocations(TorchDispatchMode):
-    """Tensors allocated by factory ops, and storages resized, while active."""
+    """Tensors allocated by factory ops (with memory: an empty one takes none), and storages
+    resized, while active."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -146,8 +147,9 @@ class Allocations(TorchDispatchMode):
         self.resizes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.tensors += func._schema.name in ALLOCATIONS
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        self.tensors += func._schema.name in ALLOCATIONS and out.numel() > 0
+        return out
 
     def __enter__(self) -> Allocations:
         resize = self._resize = torch.UntypedStorage.resize_
