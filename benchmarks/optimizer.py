@@ -107,8 +107,7 @@ def by_variant(dim: int, policy: str, device: torch.device, args: argparse.Names
             continue
         optims = {name: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, **options)
                   for name, ps in params.items()}
-        # step() looked up at each call: from its first step on, fsdp_compose's optimizer has
-        # its own (param/local_step.py).
+        # fsdp_compose's optimizer runs its arithmetic on local tensors (param/local_step.py).
         steps = {name: (lambda o=o: o.step()) for name, o in optims.items()}
         results[variant] = timed(steps, args.rounds, args.calls, sync)
         ms = results[variant]

@@ -10,6 +10,7 @@ from .api.wrap import WrapPolicy, wrap
 from .comm.meshes import DataParallelMeshDims
 from .io.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from .io.full_state_dict import load_full_state_dict, save_full_state_dict
+from .param.local_step import set_local_optimizer_step
 from .param.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .schedule.unmanaged import UnmanagedParametersWarning
 from .tools.clip import clip_grad_norm_
@@ -24,5 +25,5 @@ __all__ = [
     "WrapPolicy", "checkpoint_blocks", "clip_grad_norm_", "export_safetensors", "fully_shard",
     "load_checkpoint", "load_full_state_dict", "materialize", "plan",
     "register_fsdp_forward_method", "replace_torch_fsdp", "replicate", "save_checkpoint",
-    "save_full_state_dict", "share_comm_ctx", "wrap",
+    "save_full_state_dict", "set_local_optimizer_step", "share_comm_ctx", "wrap",
 ]

@@ -10,10 +10,17 @@ import torch
 from torch import nn
 
 _REPLACED_MARK = "_fsdp_compose_replaced"
+_marked = 0  # how many times tensors were marked: an optimizer checked since needs no new check
+
+
+def marked() -> int:
+    return _marked
 
 
 def mark_replaced(name: str, replaced: Iterable[tuple[str, nn.Parameter]]) -> None:
     """Mark the parameters (fqn, parameter) that fully_shard(`name`) replaced."""
+    global _marked
+    _marked += 1
     for fqn, param in replaced:
         setattr(param, _REPLACED_MARK, f"parameter {fqn!r} of {name} as it was before "
                 "fully_shard, which replaced it by a sharded DTensor")
@@ -21,6 +28,8 @@ def mark_replaced(name: str, replaced: Iterable[tuple[str, nn.Parameter]]) -> No
 
 def warn_copied(fqn: str, replacement: torch.Tensor) -> None:
     """Warn that `replacement` was copied into sharded parameter `fqn`, and mark it."""
+    global _marked
+    _marked += 1
     setattr(replacement, _REPLACED_MARK, f"the tensor assigned to parameter {fqn!r} after "
             "fully_shard, whose values were copied into the sharded parameter the model keeps")
     warnings.warn(
@@ -34,7 +43,7 @@ def warn_copied(fqn: str, replacement: torch.Tensor) -> None:
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer that holds a marked tensor (at its first step)."""
+    """Refuse an optimizer that holds a marked tensor."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             if (where := getattr(param, _REPLACED_MARK, None)) is not None:

@@ -1,8 +1,12 @@
-"""torch's elementwise optimizers step on the sharded parameters' local tensors (param/
-local_step.py): bit for bit FSDP2's training and optimizer state, DTensors everywhere
-outside the step, and the DTensor path kept for any other optimizer."""
+"""torch's elementwise optimizers step our sharded parameters on their local tensors
+(param/local_step.py), invisibly: bit for bit FSDP2's training and optimizer state, and at
+every moment the objects FSDP2 shows: DTensors in param groups, state and step hooks; LR
+schedulers built at any time, state edited between steps, closures, without a warning torch
+would not print."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -13,17 +17,24 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.optim import lr_scheduler
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_compose import fully_shard
-from fsdp_compose.param.local_step import ELEMENTWISE
+from fsdp_compose import fully_shard, set_local_optimizer_step
 from tests.dist.parity import (
-    backward, full, max_diff_to, optimizer_step, three_models, two_models,
+    backward, full, max_diff_to, optimizer_step, rank_share, three_models,
 )
 from tests.models import Transformer, lm_loss, token_batch
 
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+               torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
 VARIANTS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 # Fused kernels DTensor has a sharding strategy for (fused SGD and Adagrad fail on FSDP2's
-# parameters, and at the first step on ours, which runs on the DTensors).
+# parameters).
 FUSED = (torch.optim.Adam, torch.optim.AdamW)
 
 
@@ -43,64 +54,108 @@ def whole_state(optim: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
             for k, v in sorted(s.items()) if isinstance(v, torch.Tensor)]
 
 
+class KernelInputs(TorchDispatchMode):
+    """Whether the optimizer's arithmetic (foreach, fused and per-tensor kernels) was given
+    DTensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.got_dtensors = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.name().startswith(("aten::_foreach", "aten::_fused", "aten::add", "aten::mul")):
+            self.got_dtensors |= DTensor in types
+        return func(*args, **(kwargs or {}))
+
+
+def seen_by_hooks(optim: torch.optim.Optimizer, seen: list[set[type]]) -> None:
+    """Record the types a pre- and a post-hook find in the param groups and the state."""
+    def record(opt, args, kwargs):
+        seen.append({type(p) for g in opt.param_groups for p in g["params"]}
+                    | {type(v) for s in opt.state.values() for v in s.values()
+                       if isinstance(v, torch.Tensor) and v.dim() > 0})
+    optim.register_step_pre_hook(record)
+    optim.register_step_post_hook(record)
+
+
 def check_steps_like_fsdp2(name: str, variant: str) -> dict[str, object]:
     ref, ours, theirs = three_models(Transformer)
     optims = [make_optimizer(name, variant, m.parameters()) for m in (ours, theirs)]
     seen: list[set[type]] = []
-    optims[0].register_step_pre_hook(
-        lambda opt, args, kwargs: seen.append({type(p) for g in opt.param_groups for p in g["params"]})
-    )
-    world, vs_torch = dist.get_world_size(), 0.0
+    seen_by_hooks(optims[0], seen)
+    world, vs_torch, kernels = dist.get_world_size(), 0.0, []
     for step in range(3):
         backward((ref, ours, theirs), token_batch(step, 2 * world), lm_loss)
         ref.zero_grad()
-        optimizer_step(optims)
+        with KernelInputs() as mode:
+            optims[0].step()
+        kernels.append(mode.got_dtensors)
+        optimizer_step(optims[1:])
+        optims[0].zero_grad()
         vs_torch = max(vs_torch, max_diff_to(ours, theirs))
     ours_state, their_state = whole_state(optims[0]), whole_state(optims[1])
     assert [k for k, _ in ours_state] == [k for k, _ in their_state]
     state_diff = max((float((a.double() - b.double()).abs().max()) for (_, a), (_, b)
                       in zip(ours_state, their_state) if a.numel()), default=0.0)
-    outside = {type(p) for g in optims[0].param_groups for p in g["params"]}
-    state_types = {type(v) for s in optims[0].state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor) and v.dim() > 0}
-    return {"vs_torch": vs_torch, "state": state_diff, "inside": seen, "outside": outside,
-            "state_types": state_types}
+    return {"vs_torch": vs_torch, "state": state_diff, "seen": seen, "kernels": kernels}
 
 
 @pytest.mark.parametrize(("name", "variant"), cases())
 def test_an_elementwise_optimizer_steps_on_local_tensors_as_fsdp2_steps(ranks, name, variant):
     result = ranks.run(check_steps_like_fsdp2, name=name, variant=variant)[0]
     assert result["vs_torch"] == 0.0 and result["state"] == 0.0, result
-    assert result["inside"][0] != {torch.Tensor}  # the first step: on DTensors
-    assert all(types == {torch.Tensor} for types in result["inside"][1:]), result["inside"]
-    assert result["outside"] == {torch.nn.Parameter} or all(
-        issubclass(t, DTensor) for t in result["outside"]), result["outside"]
-    assert result["state_types"] == {DTensor}
+    assert result["kernels"] == [False] * 3  # every step's arithmetic on local tensors
+    # Hooks before and after every step find DTensors only, in param groups and state.
+    assert len(result["seen"]) == 6 and all(
+        all(issubclass(t, DTensor) for t in types) for types in result["seen"]), result["seen"]
 
 
-class ScaledAdamW(torch.optim.AdamW):
-    """A user's optimizer: it may read the global shape, so it keeps the DTensors."""
+def check_switched_off() -> tuple[float, list[bool]]:
+    ref, ours, theirs = three_models(Transformer)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    kernels = []
+    set_local_optimizer_step(False)
+    try:
+        for step in range(2):
+            backward((ref, ours, theirs), token_batch(step, 4), lm_loss)
+            with KernelInputs() as mode:
+                optims[0].step()
+            kernels.append(mode.got_dtensors)
+            optims[1].step()
+            for optim in optims:
+                optim.zero_grad()
+    finally:
+        set_local_optimizer_step(True)
+    return max_diff_to(ours, theirs), kernels
 
 
-def check_other_optimizers_keep_dtensors() -> list[set[type]]:
-    _, ours = two_models(Transformer)
-    optim = ScaledAdamW(ours.parameters(), lr=1e-2)
-    seen: list[set[type]] = []
-    optim.register_step_pre_hook(
-        lambda opt, args, kwargs: seen.append({type(p) for g in opt.param_groups for p in g["params"]})
-    )
+def test_set_local_optimizer_step_false_steps_on_the_dtensors(ranks):
+    vs_torch, kernels = ranks.run(check_switched_off)[0]
+    assert vs_torch == 0.0 and kernels == [True, True]
+
+
+class CheckedAdamW(torch.optim.AdamW):
+    """A user's subclass: its own code sees DTensors, the arithmetic runs locally."""
+
+    def step(self, closure=None):
+        assert all(isinstance(p, DTensor) for g in self.param_groups for p in g["params"])
+        return super().step(closure)
+
+
+def check_a_subclass_steps_as_fsdp2() -> float:
+    ref, ours, theirs = three_models(Transformer)
+    optims = [CheckedAdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
     for step in range(2):
-        lm_loss(ours, token_batch(step, 2)).backward()
-        optimizer_step([optim])
-    return seen
+        backward((ref, ours, theirs), token_batch(step, 4), lm_loss)
+        optimizer_step(optims)
+    return max_diff_to(ours, theirs)
 
 
-def test_other_optimizers_step_on_dtensors(ranks):
-    seen = ranks.run(check_other_optimizers_keep_dtensors)[0]
-    assert len(seen) == 2 and all(torch.Tensor not in types for types in seen), seen
+def test_a_subclass_of_an_elementwise_optimizer_steps_as_fsdp2(ranks):
+    assert ranks.run(check_a_subclass_steps_as_fsdp2)[0] == 0.0
 
 
-def check_a_failed_step_restores_the_dtensors() -> tuple[bool, float]:
+def check_a_failed_step_leaves_the_dtensors() -> tuple[bool, float]:
     ref, ours, theirs = three_models(Transformer)
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
     for step in range(2):
@@ -110,21 +165,22 @@ def check_a_failed_step_restores_the_dtensors() -> tuple[bool, float]:
     def fail(opt, args, kwargs):
         raise RuntimeError("a hook failed")
 
-    handle = optims[0].register_step_pre_hook(fail)
+    handle = optims[0].register_step_post_hook(fail)
     backward((ref, ours, theirs), token_batch(2, 4), lm_loss)
     with pytest.raises(RuntimeError, match="a hook failed"):
         optims[0].step()
     handle.remove()
-    restored = all(isinstance(p, DTensor) for g in optims[0].param_groups for p in g["params"])
-    restored = restored and all(isinstance(v, DTensor) for s in optims[0].state.values()
-                                for v in s.values() if v.dim() > 0)
+    optims[1].step()
+    kept = all(isinstance(p, DTensor) for g in optims[0].param_groups for p in g["params"])
+    kept = kept and all(isinstance(v, DTensor) for s in optims[0].state.values()
+                        for v in s.values() if v.dim() > 0)
     optimizer_step(optims)
-    return restored, max_diff_to(ours, theirs)
+    return kept, max_diff_to(ours, theirs)
 
 
 def test_a_failed_step_leaves_the_dtensors_in_place(ranks):
-    restored, vs_torch = ranks.run(check_a_failed_step_restores_the_dtensors)[0]
-    assert restored and vs_torch == 0.0
+    kept, vs_torch = ranks.run(check_a_failed_step_leaves_the_dtensors)[0]
+    assert kept and vs_torch == 0.0
 
 
 def trained(seed: int):
@@ -182,7 +238,7 @@ def check_a_closure_computes_the_gradients() -> tuple[float, bool]:
                 return loss
             optim.step(closure)
     moved = all(not torch.equal(a, full(p)) for a, p in zip(before, ours.parameters()))
-    return max_diff_to(ours, theirs), moved and type(optims[0].step).__name__ == "_LocalStep"
+    return max_diff_to(ours, theirs), moved and "step" not in vars(optims[0])
 
 
 def test_a_step_with_a_closure_trains_as_fsdp2(ranks):
@@ -204,11 +260,154 @@ def check_a_model_sharded_on_meta_steps_on_local_tensors() -> str:
         with torch.no_grad():
             p.normal_(0, 0.02)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    kernels = []
     for step in range(2):
         lm_loss(model, token_batch(step, 2)).backward()
-        optimizer_step([optim])
-    return type(optim.step).__name__
+        with KernelInputs() as mode:
+            optimizer_step([optim])
+        kernels.append(mode.got_dtensors)
+    return kernels
 
 
 def test_a_model_sharded_on_meta_steps_on_local_tensors(ranks):
-    assert ranks.run(check_a_model_sharded_on_meta_steps_on_local_tensors)[0] == "_LocalStep"
+    assert ranks.run(check_a_model_sharded_on_meta_steps_on_local_tensors)[0] == [False, False]
+
+
+# -- what a training script does around the optimizer, compared with FSDP2 doing the same
+
+
+SCHEDULERS = {
+    "LambdaLR": lambda o: lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)),
+    "MultiplicativeLR": lambda o: lr_scheduler.MultiplicativeLR(o, lambda s: 0.9),
+    "StepLR": lambda o: lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+    "MultiStepLR": lambda o: lr_scheduler.MultiStepLR(o, milestones=[1, 2]),
+    "ConstantLR": lambda o: lr_scheduler.ConstantLR(o, factor=0.5, total_iters=2),
+    "LinearLR": lambda o: lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=3),
+    "ExponentialLR": lambda o: lr_scheduler.ExponentialLR(o, gamma=0.9),
+    "PolynomialLR": lambda o: lr_scheduler.PolynomialLR(o, total_iters=4),
+    "CosineAnnealingLR": lambda o: lr_scheduler.CosineAnnealingLR(o, T_max=4),
+    "CosineAnnealingWarmRestarts": lambda o: lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=2),
+    "CyclicLR": lambda o: lr_scheduler.CyclicLR(
+        o, 1e-3, 1e-2, step_size_up=2, cycle_momentum=False),
+    "OneCycleLR": lambda o: lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=10),
+    "ReduceLROnPlateau": lambda o: lr_scheduler.ReduceLROnPlateau(o, patience=0),
+    "SequentialLR": lambda o: lr_scheduler.SequentialLR(
+        o, [lr_scheduler.ConstantLR(o, factor=0.5, total_iters=1),
+            lr_scheduler.ExponentialLR(o, gamma=0.9)], milestones=[1]),
+    "ChainedScheduler": lambda o: lr_scheduler.ChainedScheduler(
+        [lr_scheduler.ConstantLR(o, factor=0.5, total_iters=1),
+         lr_scheduler.ExponentialLR(o, gamma=0.9)]),
+}
+
+
+def check_schedulers(built_at: int) -> dict[str, object]:
+    """Each scheduler built before the first step (built_at 0), after it (1), or after a
+    DCP load into a fresh optimizer (-1), for ours and for FSDP2: the learning rates, the
+    parameters, and every warning either run printed, per scheduler."""
+    out = {}
+    for name, make in SCHEDULERS.items():
+        _, ours, theirs = three_models(Transformer)
+        optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+        runs: dict[str, list[str]] = {"ours": [], "fsdp2": []}
+        lrs: dict[str, list[float]] = {"ours": [], "fsdp2": []}
+        scheds = {}
+        for who, model, optim in zip(runs, (ours, theirs), optims):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if built_at == -1:  # resume: DCP's state into a fresh optimizer first
+                    set_optimizer_state_dict(model, optim, get_optimizer_state_dict(model, optim))
+                if built_at <= 0:
+                    scheds[who] = make(optim)
+                for step in range(4):
+                    lm_loss(model, rank_share(token_batch(step, 4))).backward()
+                    optim.step()
+                    optim.zero_grad()
+                    if step + 1 == built_at:
+                        scheds[who] = make(optim)
+                    if who in scheds:
+                        sched = scheds[who]
+                        if isinstance(sched, lr_scheduler.ReduceLROnPlateau):
+                            sched.step(1.0)
+                        else:
+                            sched.step()
+                    lrs[who].append(optim.param_groups[0]["lr"])
+            runs[who] = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
+        out[name] = {"warnings": runs, "lrs": lrs, "vs_torch": max_diff_to(ours, theirs)}
+    return out
+
+
+@pytest.mark.parametrize("built_at", [0, 1, -1], ids=["before", "after", "after-load"])
+def test_every_lr_scheduler_runs_as_on_fsdp2_without_a_warning_it_does_not_print(ranks, built_at):
+    results = ranks.run(check_schedulers, built_at=built_at)[0]
+    for name, result in results.items():
+        assert result["warnings"]["ours"] == result["warnings"]["fsdp2"], (name, result)
+        assert result["lrs"]["ours"] == result["lrs"]["fsdp2"], (name, result)
+        assert result["vs_torch"] == 0.0, (name, result)
+
+
+def check_state_edits(edit: str) -> dict[str, object]:
+    """Two steps, an edit of the optimizer state, two more steps, on ours and on FSDP2."""
+    ref, ours, theirs = three_models(Transformer)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    sizes = []
+    for step in range(4):
+        backward((ref, ours, theirs), token_batch(step, 4), lm_loss)
+        optimizer_step(optims)
+        if step == 1:
+            for model, optim in zip((ours, theirs), optims):
+                first = next(model.parameters())
+                if edit == "clear":
+                    optim.state.clear()
+                elif edit == "del":
+                    del optim.state[first]
+                else:  # a moment zeroed by assignment
+                    optim.state[first]["exp_avg"] = torch.zeros_like(first)
+                sizes.append(len(optim.state_dict()["state"]))
+    sizes += [len(o.state_dict()["state"]) for o in optims]
+    ours_state, their_state = whole_state(optims[0]), whole_state(optims[1])
+    state_diff = max(float((a - b).abs().max()) for (_, a), (_, b) in zip(ours_state, their_state))
+    return {"vs_torch": max_diff_to(ours, theirs), "state": state_diff, "sizes": sizes,
+            "keys": [k for k, _ in ours_state] == [k for k, _ in their_state]}
+
+
+@pytest.mark.parametrize("edit", ["clear", "del", "assign"])
+def test_optimizer_state_edited_between_steps_counts_as_on_fsdp2(ranks, edit):
+    result = ranks.run(check_state_edits, edit=edit)[0]
+    assert result["vs_torch"] == 0.0 and result["state"] == 0.0 and result["keys"], result
+    assert result["sizes"][0] == result["sizes"][1] and result["sizes"][2] == result["sizes"][3]
+
+
+def check_hooks_see_fsdp2s_objects() -> dict[str, list]:
+    """Per-optimizer and global step hooks compute a gradient norm and look a model
+    parameter up in the param groups and the state."""
+    ref, ours, theirs = three_models(Transformer)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    seen: dict[str, list] = {"ours": [], "fsdp2": []}
+    handles = []
+    for who, model, optim in zip(seen, (ours, theirs), optims):
+        first = next(model.parameters())
+
+        def look(opt, args, kwargs, who=who, first=first, optim=optim):
+            if opt is not optim:
+                return
+            grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else None
+            in_groups = any(p is first for g in opt.param_groups for p in g["params"])
+            seen[who].append((None if norm is None else float(full(norm)), in_groups,
+                              sorted(opt.state.get(first, {}))))
+        handles += [optim.register_step_pre_hook(look), optim.register_step_post_hook(look),
+                    register_optimizer_step_pre_hook(look),
+                    register_optimizer_step_post_hook(look)]
+    try:
+        for step in range(3):
+            backward((ref, ours, theirs), token_batch(step, 4), lm_loss)
+            optimizer_step(optims)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def test_step_hooks_see_the_dtensors_and_the_numbers_fsdp2s_see(ranks):
+    seen = ranks.run(check_hooks_see_fsdp2s_objects)[0]
+    assert len(seen["ours"]) == 12 and seen["ours"] == seen["fsdp2"], seen
