@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.utils._pytree import tree_map_only
 
 from ..comm.collectives import barrier, is_first_rank
-from .checkpoint_files import MetadataCheckingReader, check_files, write_checksums
-from .first_rank import from_first_rank
+from .checkpoint_files import CHECKSUMS, MetadataCheckingReader, check_files, checksums
+from .first_rank import file_error, from_first_rank
 from .full_state_dict import mismatches, save_full_state_dict
 from .safetensors_writer import INCOMPLETE
 
@@ -46,15 +48,27 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)  # a save that crashed before
     barrier()
     dcp_save(state, storage_writer=FileSystemWriter(staging))
-    write_checksums(staging)
-    if is_first_rank():
-        replaced = path.with_name(path.name + REPLACED)
-        shutil.rmtree(replaced, ignore_errors=True)
-        if path.exists():
-            path.rename(replaced)  # until the next line, the previous checkpoint is here
+    sums = checksums(staging)
+    # The first rank alone renames; every rank raises its error (none waits for a timeout).
+    from_first_rank(functools.partial(_publish, staging, path, sums) if is_first_rank() else None)
+
+
+def _publish(staging: Path, path: Path, sums: str) -> None:
+    """Give the finished checkpoint in `staging` the name `path`. At every moment a complete
+    checkpoint is at `path` or, between the two renames, at `<path>.replaced`, where
+    load_checkpoint looks next."""
+    replaced = path.with_name(path.name + REPLACED)
+    try:
+        (staging / CHECKSUMS).write_text(sums)
+        if path.exists():  # else a save was killed between the renames: keep what is there
+            if replaced.exists():
+                shutil.rmtree(replaced)
+            path.rename(replaced)
         staging.rename(path)
-        shutil.rmtree(replaced, ignore_errors=True)
-    barrier()
+    except OSError as error:
+        raise file_error(f"save_checkpoint: could not put the checkpoint in place at {str(path)!r} "
+                         f"(written to {str(staging)!r}, the previous one kept)", error) from error
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def load_checkpoint(
@@ -69,9 +83,14 @@ def load_checkpoint(
     rank. Tensors are read into copies of this rank's state (one more copy at the peak),
     which replace the originals only once every rank read everything."""
     path = Path(path)
+    previous = path.with_name(path.name + REPLACED)
+    if not (path / ".metadata").is_file() and (previous / ".metadata").is_file() \
+            and not path.exists():  # a save killed between its renames: the last checkpoint
+        warnings.warn(f"load_checkpoint: {str(path)!r} is missing, a save into it having stopped; "
+                      f"loading the checkpoint it was replacing, {str(previous)!r}.", stacklevel=2)
+        path = previous
     if not (path / ".metadata").is_file():
         staged = path.name.endswith(INCOMPLETE) or path.with_name(path.name + INCOMPLETE).exists()
-        previous = path.with_name(path.name + REPLACED)
         raise FileNotFoundError(
             f"load_checkpoint: {str(path)!r} is not a complete checkpoint (no .metadata)"
             + ("; a save into it was interrupted" if staged else "")
@@ -89,6 +108,7 @@ def load_checkpoint(
     if problems := mismatches(shapes, {k: tuple(v.shape) for k, v in state["model"].items()}):
         raise ValueError(f"load_checkpoint: {str(path)!r} does not match the model: {problems}. "
                          "Was it saved from another model or configuration?")
+    fresh = optimizer is not None and not optimizer.state
     if optimizer is not None:
         if not any(key.startswith("optim.") for key in saved):
             raise ValueError(f"load_checkpoint: {str(path)!r} holds no optimizer state; load it without "
@@ -100,6 +120,8 @@ def load_checkpoint(
     try:
         dcp_load(state, storage_reader=reader)
     except CheckpointException as failed:  # a BaseException, raised on every rank alike
+        if fresh:  # DCP stepped it once to create its state: fresh again
+            optimizer.state.clear()  # type: ignore[union-attr]
         raise ValueError(_load_failed(path, failed)) from None
     dcp_state.set_model_state_dict(model, state["model"])
     if optimizer is not None:

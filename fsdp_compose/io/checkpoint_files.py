@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from ..comm.collectives import every_rank, is_first_rank
+from ..comm.collectives import every_rank
 
 CHECKSUMS = ".checksums"  # JSON: each data file's size and CRC-32, written by save_checkpoint
 T = TypeVar("T")
@@ -30,10 +30,16 @@ def check_files(path: Path, metadata: Metadata) -> None:
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     try:
         recorded: dict[str, dict[str, int]] = json.loads((path / CHECKSUMS).read_text())
+        if not isinstance(recorded, dict) or not all(
+            isinstance(sums, dict) and all(isinstance(sums.get(k), int) for k in ("size", "crc32"))
+            for sums in recorded.values()
+        ):
+            raise ValueError("not a size and CRC-32 per file")
     except FileNotFoundError:
         recorded = {}  # a checkpoint saved otherwise
     except ValueError as error:
-        raise ValueError(f"load_checkpoint: {str(path / CHECKSUMS)!r} is damaged ({error}).") from error
+        raise ValueError(f"load_checkpoint: {str(path / CHECKSUMS)!r} is damaged ({error}); "
+                         "nothing was loaded. Load another checkpoint.") from error
     faults = _shared(sorted(ends), lambda n: _file_fault(path / n, ends[n], recorded.get(n)))
     if found := sorted((f for f in faults.values() if f is not None), key=str):
         raise found[0]
@@ -54,12 +60,11 @@ def _file_fault(file: Path, end: int, recorded: dict[str, int] | None) -> Except
     return None
 
 
-def write_checksums(folder: Path) -> None:
-    """Record each data file's size and CRC-32 in CHECKSUMS (written by the first rank)."""
+def checksums(folder: Path) -> str:
+    """Each data file's size and CRC-32, as CHECKSUMS holds them (each rank reads a share)."""
     names = sorted(f.name for f in folder.iterdir() if f.is_file() and not f.name.startswith("."))
     sums = _shared(names, lambda n: {"size": (folder / n).stat().st_size, "crc32": _crc32(folder / n)})
-    if is_first_rank():
-        (folder / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True))
+    return json.dumps(sums, indent=1, sort_keys=True)
 
 
 def _shared(names: list[str], work: Callable[[str], T]) -> dict[str, T]:
@@ -84,6 +89,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         ("torch", "Size"), ("torch.serialization", "_get_layout"),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+        ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath"),  # Python 3.13
     }
 
     def find_class(self, module: str, name: str) -> Any:

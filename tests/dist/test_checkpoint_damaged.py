@@ -62,6 +62,10 @@ def damage(path: Path, how: str) -> None:
     elif how == "bytes flipped, no checksums":  # past every check: the read itself fails
         (path / CHECKSUMS).unlink()
         flip(shard, items[len(items) // 2][0])
+    elif how == "checksums not a table":
+        (path / CHECKSUMS).write_text("[1, 2]")
+    elif how == "checksums without a size":
+        (path / CHECKSUMS).write_text(json.dumps({SHARD: {"crc32": 1}}))
     else:
         raise ValueError(how)
 
@@ -72,6 +76,8 @@ EXPECTED = {  # the error each damage raises: its type and what its message must
     "shard cut at a tensor boundary": (ValueError, rf"{SHARD}' is truncated"),
     "shard missing": (FileNotFoundError, rf"{SHARD}' is missing"),
     "bytes flipped": (ValueError, rf"{SHARD}' is damaged: its size or CRC-32 differs"),
+    "checksums not a table": (ValueError, rf"{CHECKSUMS}' is damaged"),
+    "checksums without a size": (ValueError, rf"{CHECKSUMS}' is damaged"),
     "bytes flipped, no checksums": (ValueError, r"reading .* failed \(rank [0-9, ]+: \w+: [^\n]*\); the model and optimizer are unchanged"),
 }
 
@@ -150,3 +156,22 @@ def test_checksums_are_written_beside_the_data(ranks, tmp_path):
     files = sorted(f.name for f in path.iterdir() if f.suffix == ".distcp")
     assert sorted(json.loads((path / CHECKSUMS).read_text())) == files
     assert os.path.getsize(path / CHECKSUMS) > 0
+
+
+def check_a_failed_load_leaves_a_fresh_optimizer_fresh(path: str) -> tuple[str, int]:
+    """"Resume, else start fresh": a load that fails in the read leaves no optimizer state."""
+    model, optim = new_run(seed=0)
+    train(model, optim, range(2))
+    save_checkpoint(path, model, optim, step=2)
+    if dist.get_rank() == 0:
+        damage(Path(path), "bytes flipped, no checksums")
+    dist.barrier()
+    model, optim = new_run(seed=1)
+    with pytest.raises(ValueError, match="reading .* failed") as raised:
+        load_checkpoint(path, model, optim)
+    return str(raised.value), len(optim.state)
+
+
+def test_a_failed_load_leaves_a_fresh_optimizer_fresh(ranks, tmp_path):
+    results = ranks.run(check_a_failed_load_leaves_a_fresh_optimizer_fresh, path=str(tmp_path / "c"))
+    assert len({message for message, _ in results}) == 1 and [n for _, n in results] == [0, 0]
