@@ -5,7 +5,8 @@
 
 It calls replace_torch_fsdp before the program imports anything, then runs the script or
 module as `__main__` as Python would (its argv, its folder on sys.path, its exit code and
-exceptions). Rank 0 (the RANK variable launchers set) says which implementation is in place."""
+exceptions). Rank 0 (the RANK variable launchers set) says which implementation is in place.
+Every Python process the program starts switches too (fsdp_compose/startup/sitecustomize.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import sys
 
 from .api.torch_switch import replace_torch_fsdp
 
+# Where startup/sitecustomize.py lies, and the variable it reads: how children switch.
+STARTUP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup")
+SWITCH_ENV = "FSDP_COMPOSE_SWITCH"
 USAGE = "usage: python -m fsdp_compose.run (SCRIPT | -m MODULE) [ARGS...]"
 
 
@@ -27,6 +31,8 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, file=sys.stderr)
         raise SystemExit(2)
     switch = replace_torch_fsdp()
+    os.environ[SWITCH_ENV] = "1"  # for children: spawned, or any Python subprocess
+    os.environ["PYTHONPATH"] = os.pathsep.join([STARTUP, *filter(None, [os.environ.get("PYTHONPATH")])])
     if os.environ.get("RANK", "0") == "0":
         print(f"fsdp_compose.run: torch.distributed.fsdp.fully_shard is fsdp_compose's "
               f"({len(switch.names)} names rebound)", file=sys.stderr, flush=True)

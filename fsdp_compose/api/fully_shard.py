@@ -15,7 +15,7 @@ from ..param.replaced import mark_replaced
 from ..param.sharded_param import ShardedParam
 from ..schedule.hooks import install_hooks, post_forward, pre_forward
 from ..schedule.iteration import UnitState
-from ..schedule.state import attach
+from ..schedule.state import attach, state_of
 from ..schedule.tied import OWNER_ATTR, Borrowed, check_borrowable, lend, owner_of
 from ..schedule.unmanaged import watch
 from ..unit.part import MeshPart, UnitSettings
@@ -111,6 +111,10 @@ def fully_shard(
     sharded = [p for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False)]
     watch([*sharded, *(ignored_params or ())])
     return module  # type: ignore[return-value]  # annotated in place: now FSDPModules
+
+
+# As torch's: fully_shard.state(module) is the module's state (here its UnitState, or None).
+fully_shard.state = state_of  # type: ignore[attr-defined]
 
 
 def _annotate(

@@ -14,7 +14,7 @@ from types import ModuleType
 
 from ..comm.meshes import DataParallelMeshDims
 from ..param.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .fsdp_module import FSDPModule, UnshardHandle
+from .fsdp_module import FSDPModule, GradientReductionHandle, UnshardHandle
 from .fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
 
 # Where torch binds its public FSDP2 names: the public package and its re-exports.
@@ -29,7 +29,7 @@ OURS: dict[str, object] = {
     "MixedPrecisionPolicy": MixedPrecisionPolicy, "OffloadPolicy": OffloadPolicy,
     "CPUOffloadPolicy": CPUOffloadPolicy, "share_comm_ctx": share_comm_ctx,
     "register_fsdp_forward_method": register_fsdp_forward_method,
-    "DataParallelMeshDims": DataParallelMeshDims,
+    "DataParallelMeshDims": DataParallelMeshDims, "GradientReductionHandle": GradientReductionHandle,
 }
 
 
@@ -72,14 +72,16 @@ def replace_torch_fsdp() -> TorchFSDPSwitch:
             "process, and fsdp_compose cannot take over a model torch's runtime holds. Switch "
             "before building the model: python -m fsdp_compose.run your_script.py."
         )
-    if early := sorted(  # modules outside torch and ours holding one of torch's names as their own
-        name for name, module in list(sys.modules.items())
-        if name.split(".")[0] not in ("torch", "fsdp_compose")
-        and any(getattr(module, "__dict__", {}).get(n) is obj for n, obj in originals.items())
+    theirs_ids = {id(obj) for obj in originals.values()}
+    if early := sorted(  # modules other than torch's FSDP2 ones holding torch's objects, by any name
+        f"{name}.{attr}" for name, module in list(sys.modules.items())
+        if not name.startswith(TORCH_MODULES)
+        and name.split(".")[0] != "fsdp_compose"
+        for attr, value in list(getattr(module, "__dict__", {}).items()) if id(value) in theirs_ids
     ):
         warnings.warn(
-            f"replace_torch_fsdp: {early} imported torch's FSDP names before the switch and "
-            "keep them (torch's fully_shard there). Start the program with python -m "
+            f"replace_torch_fsdp: {early} were bound to torch's FSDP2 objects before the switch "
+            "and keep them (torch's fully_shard there). Start the program with python -m "
             "fsdp_compose.run (script or -m module) so that the switch comes first.",
             RuntimeWarning, stacklevel=2,
         )

@@ -6,6 +6,7 @@ fsdp_compose.run, runs a script or module as Python would."""
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 import types
@@ -66,10 +67,12 @@ def test_switch_is_a_context_manager():
 def test_switch_warns_about_modules_that_bound_torchs_names_first():
     early = types.ModuleType("a_framework.parallelize")
     early.fully_shard = torch_fsdp.fully_shard
+    early.shard_fn = torch_fsdp.fully_shard  # from torch.distributed.fsdp import ... as shard_fn
     sys.modules[early.__name__] = early
     try:
-        with pytest.warns(RuntimeWarning, match=r"\[.*'a_framework.parallelize'.*\] imported "
-                          r"torch's FSDP names before the switch .* python -m fsdp_compose.run"):
+        with pytest.warns(RuntimeWarning, match=r"\['a_framework.parallelize.fully_shard', "
+                          r"'a_framework.parallelize.shard_fn'\] were bound to torch's FSDP2 "
+                          r"objects before the switch .* python -m fsdp_compose.run"):
             switch = replace_torch_fsdp()
         switch.restore()
         assert early.fully_shard is torch_fsdp.fully_shard  # it keeps torch's
@@ -159,5 +162,51 @@ def test_the_runtime_never_imports_torchs_fsdp():
                 naming.append(f"{file.name}: import")
             if isinstance(node, ast.Constant) and node.value in TORCH_MODULES:
                 naming.append(f"{file.name}: {node.value!r}")
+    # The children's switch waits for the module's import by name (it imports nothing).
+    naming.remove("sitecustomize.py: 'torch.distributed.fsdp'")
     assert all(entry.startswith("torch_switch.py: '") for entry in naming), naming
     assert len(naming) == len(TORCH_MODULES)
+
+
+SPAWNING = """
+import multiprocessing, subprocess, sys
+import torch.multiprocessing as mp
+
+
+def child(i):
+    from torch.distributed.fsdp import FSDPModule, fully_shard as shard_fn
+    print("child", i, shard_fn.__module__, FSDPModule.__module__, flush=True)
+
+
+if __name__ == "__main__":
+    mp.spawn(child, nprocs=1)
+    process = multiprocessing.get_context("spawn").Process(target=child, args=(1,))
+    process.start()
+    process.join()
+    subprocess.run([sys.executable, "-c", "from torch.distributed.fsdp import fully_shard; "
+                    "import sitecustomize; print('subprocess', fully_shard.__module__, "
+                    "sitecustomize.__file__)"], check=True)
+"""
+
+
+def test_the_launchers_switch_reaches_every_process_it_starts(tmp_path):
+    """Children of torch.multiprocessing.spawn, multiprocessing's spawn and a subprocess run
+    fsdp_compose's fully_shard; a sitecustomize of the user's own still runs."""
+    (tmp_path / "prog.py").write_text(SPAWNING)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    out = subprocess.run([sys.executable, "-m", "fsdp_compose.run", str(tmp_path / "prog.py")],
+                         capture_output=True, text=True, env=env, timeout=300, check=True).stdout
+    ours = "fsdp_compose.api.fully_shard fsdp_compose.api.fsdp_module"
+    assert f"child 0 {ours}" in out and f"child 1 {ours}" in out, out
+    assert f"subprocess fsdp_compose.api.fully_shard {tmp_path / 'site' / 'sitecustomize.py'}" in out
+
+
+def test_every_public_fsdp2_name_torch_exports_is_switched():
+    public = set(importlib.import_module("torch.distributed.fsdp._fully_shard").__all__)
+    with replace_torch_fsdp() as switch:
+        switched = {name.rsplit(".", 1)[1] for name in switch.names}
+        state = torch_fsdp.fully_shard.state
+    assert public and public <= switched, public - switched
+    assert state is fsdp_compose.fully_shard.state  # torch's contract: the module's state
