@@ -89,10 +89,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         ("torch", "Size"), ("torch.serialization", "_get_layout"),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-        ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath"),  # Python 3.13
     }
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == "pathlib._local":  # where Python 3.13 pickles paths; pathlib has them all
+            module = "pathlib"
         if (module, name) in self._ALLOWED or module == "torch.distributed.checkpoint.metadata":
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):

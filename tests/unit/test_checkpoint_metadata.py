@@ -6,6 +6,7 @@ import os
 import pickle
 
 import pytest
+import torch
 from torch import nn
 
 from fsdp_compose import load_checkpoint
@@ -28,3 +29,29 @@ def test_metadata_with_arbitrary_objects_is_refused(tmp_path):
                        r".*asks for posix\.system, which is not checkpoint metadata; refusing"):
         load_checkpoint(checkpoint, nn.Linear(2, 2))
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("saved_by", ["pathlib", "pathlib._local"])  # Python < 3.13, 3.13
+def test_metadata_pickled_by_any_python_loads(tmp_path, saved_by):
+    """A checkpoint's metadata holds its path, pickled under the module Python defines
+    PosixPath in (pathlib._local from 3.13): a checkpoint saved on one loads on the other."""
+    import torch.distributed as dist
+
+    from fsdp_compose import save_checkpoint
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        save_checkpoint(tmp_path / "ckpt", model, step=5)
+        metadata = tmp_path / "ckpt" / ".metadata"
+        # Protocol 2 writes each class as text ("c<module>\n<name>\n"), without frames.
+        data = pickle.dumps(pickle.loads(metadata.read_bytes()), protocol=2)
+        path_class = [n for n in (b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n") if n in data]
+        assert path_class, "the metadata pickles no path"
+        metadata.write_bytes(data.replace(path_class[0], b"c%s\nPosixPath\n" % saved_by.encode()))
+        fresh = nn.Linear(3, 2)
+        assert load_checkpoint(tmp_path / "ckpt", fresh) == 5
+        assert torch.equal(fresh.weight, model.weight)
+    finally:
+        dist.destroy_process_group()
