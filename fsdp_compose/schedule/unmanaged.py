@@ -36,7 +36,8 @@ def watch(accounted: Iterable[torch.Tensor]) -> None:
     for tensor in accounted:
         setattr(tensor, _ACCOUNTED_MARK, True)
     if _hook is None:
-        _hook = nn.modules.module.register_module_forward_pre_hook(_look)
+        # Run eagerly under torch.compile: dynamo cannot trace its weak set.
+        _hook = nn.modules.module.register_module_forward_pre_hook(torch.compiler.disable(_look))
 
 
 def stop_watching() -> None:

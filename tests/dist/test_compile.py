@@ -3,6 +3,7 @@ and training stays in parity with single-process and with torch's fully_shard.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -29,3 +30,27 @@ def test_compiled_blocks_train_like_single_process_and_torch(ranks):
     vs_reference, vs_torch = ranks.run(check_compiled_blocks, world_size=2)[0]
     assert vs_reference < 1e-6
     assert vs_torch == 0.0
+
+
+def compile_whole_model(backend: str):
+    def wrap(model: nn.Module, shard: Shard) -> None:
+        per_block(model, shard)
+        model.compile(backend=backend)  # as torch.compile(model) does, in place
+    return wrap
+
+
+def check_compiled_model(backend: str) -> tuple[float, float]:
+    torch._dynamo.reset()
+    return train_and_compare(
+        lambda: Transformer(depth=2), lm_loss, token_batch, wrap=compile_whole_model(backend),
+        reference_tolerance={"rtol": 1e-5, "atol": 1e-5} if backend == "inductor" else None,
+    )
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_a_compiled_whole_model_trains_like_single_process_and_torch(ranks, backend):
+    """torch.compile of the whole model (the Trainer's torch_compile=True): our hooks break
+    the graph as torch's do, and training equals FSDP2's compiled training."""
+    vs_reference, vs_torch = ranks.run(check_compiled_model, backend=backend, world_size=2,
+                                       timeout=600)[0]
+    assert vs_torch == 0.0 and vs_reference < 1e-5
