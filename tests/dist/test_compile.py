@@ -7,7 +7,16 @@ import pytest
 import torch
 from torch import nn
 
-from tests.dist.parity import Shard, per_block, train_and_compare
+from tests.dist.parity import (
+    Shard,
+    backward,
+    max_diff,
+    max_diff_to,
+    optimizer_step,
+    per_block,
+    three_models,
+    train_and_compare,
+)
 from tests.models import Transformer, lm_loss, token_batch
 
 
@@ -32,19 +41,21 @@ def test_compiled_blocks_train_like_single_process_and_torch(ranks):
     assert vs_torch == 0.0
 
 
-def compile_whole_model(backend: str):
-    def wrap(model: nn.Module, shard: Shard) -> None:
-        per_block(model, shard)
-        model.compile(backend=backend)  # as torch.compile(model) does, in place
-    return wrap
-
-
 def check_compiled_model(backend: str) -> tuple[float, float]:
+    """torch.compile(model) as scripts write it: the compiled wrapper trains, ours and
+    torch's, against the single-process reference."""
     torch._dynamo.reset()
-    return train_and_compare(
-        lambda: Transformer(depth=2), lm_loss, token_batch, wrap=compile_whole_model(backend),
-        reference_tolerance={"rtol": 1e-5, "atol": 1e-5} if backend == "inductor" else None,
-    )
+    ref, ours, theirs = three_models(lambda: Transformer(depth=2))
+    compiled = [ref, torch.compile(ours, backend=backend), torch.compile(theirs, backend=backend)]
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours, theirs)]
+    vs_reference = vs_torch = 0.0
+    for step in range(3):
+        _, our_loss, their_loss = backward(compiled, token_batch(step, 4), lm_loss)
+        vs_torch = max(vs_torch, max_diff(our_loss, their_loss), max_diff_to(ours, theirs, grads=True))
+        optimizer_step(optims)
+        vs_torch = max(vs_torch, max_diff_to(ours, theirs))
+        vs_reference = max(vs_reference, max_diff_to(ours, ref))
+    return vs_reference, vs_torch
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
