@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .replaced import check_optimizer, marked
+from .replaced import MARKS, check_optimizer
 
 # The torch.optim modules whose optimizer calls the module's function of the same name.
 FUNCTIONALS = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax", "nadam", "radam")
@@ -56,7 +56,7 @@ def install() -> None:
 
 def _check_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Refuse replaced tensors; again only once more were marked or groups were added."""
-    seen = (marked(), len(optimizer.param_groups))
+    seen = (MARKS[0], len(optimizer.param_groups))
     if _checked.get(optimizer) != seen:
         check_optimizer(optimizer)
         _checked[optimizer] = seen

@@ -10,17 +10,12 @@ import torch
 from torch import nn
 
 _REPLACED_MARK = "_fsdp_compose_replaced"
-_marked = 0  # how many times tensors were marked: an optimizer checked since needs no new check
-
-
-def marked() -> int:
-    return _marked
+MARKS = [0]  # how many times tensors were marked: an optimizer checked since needs no new check
 
 
 def mark_replaced(name: str, replaced: Iterable[tuple[str, nn.Parameter]]) -> None:
     """Mark the parameters (fqn, parameter) that fully_shard(`name`) replaced."""
-    global _marked
-    _marked += 1
+    MARKS[0] += 1
     for fqn, param in replaced:
         setattr(param, _REPLACED_MARK, f"parameter {fqn!r} of {name} as it was before "
                 "fully_shard, which replaced it by a sharded DTensor")
@@ -28,8 +23,7 @@ def mark_replaced(name: str, replaced: Iterable[tuple[str, nn.Parameter]]) -> No
 
 def warn_copied(fqn: str, replacement: torch.Tensor) -> None:
     """Warn that `replacement` was copied into sharded parameter `fqn`, and mark it."""
-    global _marked
-    _marked += 1
+    MARKS[0] += 1
     setattr(replacement, _REPLACED_MARK, f"the tensor assigned to parameter {fqn!r} after "
             "fully_shard, whose values were copied into the sharded parameter the model keeps")
     warnings.warn(

@@ -89,14 +89,6 @@ class ShardedParam:
         self.reduce_dtype = self.mp_policy.reduce_dtype or own
         self.allocate_unsharded_buffer(local.device if local.is_meta else self._device)
 
-    def move_shard_into(self, flat_piece: torch.Tensor) -> None:
-        """Keep the padded shard in `flat_piece`, its part of the unit's flat shard."""
-        flat_piece.copy_(self.padded_shard)
-        self.padded_shard = flat_piece = storage_of_its_own(flat_piece)
-        local, self.local = self.local, flat_piece[: self._local_shape.numel()].view(self._local_shape)
-        carry_hooks(local, self.local)
-        self.sharded._local_tensor = self.local  # type: ignore[attr-defined]
-
     def allocate_unsharded_buffer(self, device: torch.device) -> None:
         """Unsharded data of its own, its storage freed (the unit allocates it to gather)."""
         numel = self.layout.shard_size * self.layout.padded_shard_numel
@@ -203,7 +195,7 @@ class ShardedParam:
 
     def add_to_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient shard (flat, padded) to `.grad` (None: a view of it)."""
-        local = storage_of_its_own(padded_grad_shard).as_strided(self._local_shape, self._local_stride)
+        local = padded_grad_shard.as_strided(self._local_shape, self._local_stride)  # its prefix
         shard = self.padded_shard
         if local.dtype != shard.dtype or local.device != shard.device:
             local = local.to(shard.device, shard.dtype)  # reduce_dtype, or offload to CPU
@@ -224,19 +216,6 @@ def zeroed_shard(local: torch.Tensor, numel: int, device: torch.device, pin: boo
         on = local.device if local.is_meta else device
         return torch.zeros(numel, dtype=local.dtype, device=on, pin_memory=pin and not local.is_meta)
     return local.new_zeros(numel)
-
-
-def storage_of_its_own(view: torch.Tensor) -> torch.Tensor:
-    """`view` (contiguous) as a tensor whose storage starts at its first element, aliasing the
-    same memory. A DTensor takes its local tensor's storage offset, and torch's serialization
-    (torch.save, pickle, copy.deepcopy) fails on a DTensor whose offset is not 0."""
-    if view.storage_offset() == 0:
-        return view
-    if view.is_meta:  # no data to alias
-        return torch.empty_like(view)
-    start, size = view.storage_offset() * view.element_size(), view.nbytes
-    storage: torch.UntypedStorage = view.untyped_storage()[start : start + size]
-    return view.new_empty(0).set_(storage, 0, view.shape, view.stride())
 
 
 def give_data(kept: nn.Parameter, new: nn.Parameter) -> None:

@@ -108,20 +108,18 @@ class Gatherer:
             observer.begin(part, _observer.ISSUE_GATHER)
         layout = part.layout
         assert layout is not None, "laid out by unshard"
-        encoded, spec = False, None
+        encoded, spec, copied_in = False, None, None
         if inputs is not None:
             shards = torch.cat(inputs)
             encoded = self._post_forward is not None and self._post_forward.as_bytes
         elif part.settings.codecs or layout.dtypes.mixed_dtypes or layout.extended:  # see encode_shards
             shards, sizes = encode_shards(self.params, part.settings.codecs, part.device)
             encoded = True
-        elif (flat_shard := layout.flat) is None:  # shards of several dtypes or devices
+        elif layout.shards is None:  # shards of several dtypes or devices
             dtype = layout.dtypes.param_dtype
             shards = torch.cat([p.padded_shard.to(part.device, dtype) for p in self.params])
-        else:  # gathered in param_dtype (mixed precision), from the device (CPU offload)
-            shards, spec = flat_shard, layout.gather_spec
-            if layout.flat_needs_cast:
-                shards = flat_shard.to(part.device, layout.dtypes.param_dtype, non_blocking=True)
+        else:  # copied into this rank's row of the output below, as torch's fully_shard does
+            spec, copied_in = layout.gather_spec, layout.shards
         if spec is None:
             spec = ((rows, shards.numel()), shards.dtype, part.device)
         custom = part.settings.custom_all_gather
@@ -132,6 +130,9 @@ class Gatherer:
             shape, dtype, device = spec
             flat = allocate(custom, (shape[0] * shape[1],), dtype, device)
             gathered = flat.view(shape)
+        if copied_in is not None:  # in param_dtype (mixed precision), onto the device (offload)
+            shards = gathered[part.mesh.shard_rank]
+            torch._foreach_copy_(shards.split(sizes), copied_in, non_blocking=True)
         if layout.dtypes.is_complex and not encoded:  # sent as real pairs, as torch does
             flat, shards = torch.view_as_real(flat), torch.view_as_real(shards)
         try:

@@ -1,6 +1,7 @@
-"""How a part's parameters lie in memory and travel: their padded shards back to back in one
-flat tensor, their unsharded data in one storage, their registrations by owning module, and
-the dtypes and sizes both collectives use; built anew when the parameters change."""
+"""How a part's parameters lie in memory and travel: their padded shards (each its own tensor,
+as optimizers and serialization expect), their unsharded data in one storage, their
+registrations by owning module, and the dtypes and sizes both collectives use; built anew when
+the parameters change."""
 
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ class Layout:
     """One part's parameters laid out. Immutable: a change to the parameters builds a new one."""
 
     dtypes: DtypeFacts
-    flat: torch.Tensor | None  # every padded shard; None with mixed dtypes or hooks
-    flat_needs_cast: bool  # to param_dtype or to the device (CPU offload) at each gather
-    gather_spec: BufferSpec | None  # of an all-gather of `flat`
+    # Every padded shard, where one foreach copy (casting to param_dtype, moving from the CPU)
+    # puts them in the all-gather's own row: None with several dtypes or devices, or hooks.
+    shards: list[torch.Tensor] | None
+    gather_spec: BufferSpec | None  # of that all-gather
     reduce_spec: BufferSpec  # of a reduce-scatter of every parameter's gradient
     storages: list[tuple[torch.UntypedStorage, int]]  # unsharded data, freed as size 0
     targets: list[torch.Tensor]  # where each parameter's gathered rows land
@@ -76,8 +78,9 @@ def lay_out(
     extended = [p for p in params if p.extension is not None]
     dtypes = dtype_facts(params)
     rows, numel, device = mesh.shard_size, sum(sizes), mesh.device
-    flat = None if extended else flat_shards(params, numel)
-    gather_spec = None if flat is None else ((rows, numel), dtypes.param_dtype, device)
+    padded = [p.padded_shard for p in params]
+    same = not extended and len({(s.dtype, s.device) for s in padded}) == 1
+    gather_spec = ((rows, numel), dtypes.param_dtype, device) if same else None
     one_rank = rows == 1 and not extended and not customised
     zero_copy = one_rank and all(
         (p.padded_shard.dtype, p.padded_shard.device) == (p.param_dtype, device) for p in params
@@ -93,12 +96,11 @@ def lay_out(
     storages = [(b.untyped_storage(), b.nbytes) for b in buffers]
     for storage, _ in storages:
         storage.resize_(0)
-    needs_cast = flat is not None and (flat.dtype, flat.device) != (dtypes.param_dtype, device)
     cast_in = None
     if one_rank and not zero_copy:  # the buffers' .data: Note [version counter] in sharded_param.py
         cast_in = [p.unsharded_buffer.data for p in params], [p.padded_shard for p in params]
     return Layout(
-        dtypes=dtypes, flat=flat, flat_needs_cast=needs_cast, gather_spec=gather_spec,
+        dtypes=dtypes, shards=padded if same else None, gather_spec=gather_spec,
         reduce_spec=((rows, numel), dtypes.reduce_dtype, device), storages=storages,
         targets=[p.gather_target for p in params], registrations=forms_by_owner(params),
         extended=extended, zero_copy=zero_copy, cast_in=cast_in,
@@ -121,20 +123,6 @@ def _find_extensions(
         elif p.extension is None:
             p.extension = GatherExtension(p.fqn, p.owners[0][0], shard_mesh(mesh.mesh), p.shape, p.mp_policy)
     return True
-
-
-def flat_shards(params: list[ShardedParam], numel: int) -> torch.Tensor | None:
-    """One flat tensor holding every parameter's padded shard (each parameter's shard then
-    a view of it), when they share a dtype and a device; else None."""
-    if len({(p.padded_shard.dtype, p.padded_shard.device) for p in params}) > 1:
-        return None
-    first = params[0].padded_shard
-    # Parameters outlive an inference_mode forward that may get here first.
-    with torch.inference_mode(False), torch.no_grad():
-        flat = torch.empty(numel, dtype=first.dtype, device=first.device, pin_memory=first.is_pinned())
-        for p, piece in zip(params, flat.split([p.layout.padded_shard_numel for p in params])):
-            p.move_shard_into(piece)
-    return flat
 
 
 def unsharded_buffers(

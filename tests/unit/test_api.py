@@ -52,7 +52,8 @@ def test_public_names():
         "Plan", "Setup", "StepTrace", "TorchFSDPSwitch", "UnmanagedParametersWarning", "UnshardHandle", "WrapPolicy", "checkpoint_blocks", "clip_grad_norm_", "export_safetensors", "fully_shard",
         "load_checkpoint", "load_full_state_dict", "materialize", "plan", "register_fsdp_forward_method",
         "replace_torch_fsdp", "replicate",
-        "save_checkpoint", "save_full_state_dict", "share_comm_ctx", "wrap",
+        "save_checkpoint", "save_full_state_dict", "set_local_optimizer_step", "share_comm_ctx",
+        "wrap",
     ]
 
 
