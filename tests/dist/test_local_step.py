@@ -411,3 +411,31 @@ def check_hooks_see_fsdp2s_objects() -> dict[str, list]:
 def test_step_hooks_see_the_dtensors_and_the_numbers_fsdp2s_see(ranks):
     seen = ranks.run(check_hooks_see_fsdp2s_objects)[0]
     assert len(seen["ours"]) == 12 and seen["ours"] == seen["fsdp2"], seen
+
+
+def check_grad_scaler_and_a_group_added() -> float:
+    """GradScaler (unscale, inf checks, step through it) and add_param_group between steps:
+    the blocks first, the rest added after two steps."""
+    ref, ours, theirs = three_models(Transformer)
+    optims, scalers = [], []
+    for model in (ours, theirs):
+        blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+        optims.append(torch.optim.AdamW(blocks, lr=1e-2))
+        scalers.append(torch.amp.GradScaler("cpu", init_scale=2.0 ** 8))
+    for step in range(4):
+        if step == 2:
+            for model, optim in zip((ours, theirs), optims):
+                optim.add_param_group({"params": [p for n, p in model.named_parameters()
+                                                  if not n.startswith("blocks.")], "lr": 5e-3})
+        for model, optim, scaler in zip((ours, theirs), optims, scalers):
+            loss = lm_loss(model, rank_share(token_batch(step, 4)))
+            scaler.scale(loss).backward()
+            scaler.unscale_(optim)
+            scaler.step(optim)
+            scaler.update()
+            optim.zero_grad()
+    return max_diff_to(ours, theirs)
+
+
+def test_grad_scaler_and_add_param_group_step_as_on_fsdp2(ranks):
+    assert ranks.run(check_grad_scaler_and_a_group_added)[0] == 0.0
