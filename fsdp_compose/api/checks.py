@@ -3,6 +3,7 @@ first collective and before anything changes, so a failed call leaves the module
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -161,6 +162,14 @@ def check_mesh(where: str, mesh: object, dp_mesh_dims: object, reshard_after_for
             f"{where}: the mesh has {mesh.ndim} dimensions; pass a 1-D mesh (full sharding) or "
             "a 2-D (replicate, shard) mesh (HSDP), e.g. mesh['dp'], or name its data-parallel "
             "dims with dp_mesh_dims."
+        )
+    if mesh.ndim == 2 and dp_mesh_dims is None and mesh.size(1) == 1 < mesh.size(0):
+        names = mesh.mesh_dim_names or ("0", "1")
+        warnings.warn(
+            f"{where}: the mesh's shard dimension {names[1]!r} has size 1 (shape "
+            f"{tuple(mesh.shape)}, dims {names}): a 2-D mesh is HSDP, replicating over dim 0 and "
+            f"sharding over dim 1, so every rank keeps whole parameters. To shard over "
+            f"{names[0]!r}, pass the 1-D mesh mesh[{names[0]!r}].", stacklevel=3,
         )
     check_reshard_after_forward(reshard_after_forward, where, mesh.size(mesh.ndim - 1))
 

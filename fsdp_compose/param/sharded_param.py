@@ -60,6 +60,8 @@ class ShardedParam:
         self._spec = (self._tp.sharded_spec(mesh.mesh, placements, dim) if self._tp is not None
                       else (mesh.mesh, placements, self.layout.shape, contiguous_stride(self.layout.shape)))
         self.shape: torch.Size = self._spec[2]  # a tensor-parallel parameter's global shape
+        # What this rank built, for the first forward's check that the ranks built the same.
+        self.built = None if whole.is_meta or is_traceable_wrapper_subclass(whole) else checksum(whole)
         self._store_shard(self._mine(whole), param.requires_grad)
 
     def _mine(self, whole: torch.Tensor) -> torch.Tensor:
@@ -216,6 +218,13 @@ def zeroed_shard(local: torch.Tensor, numel: int, device: torch.device, pin: boo
         on = local.device if local.is_meta else device
         return torch.zeros(numel, dtype=local.dtype, device=on, pin_memory=pin and not local.is_meta)
     return local.new_zeros(numel)
+
+
+def checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """Three sums that tell apart tensors of different values (as float64: no copy)."""
+    flat = (torch.view_as_real(tensor) if tensor.is_complex() else tensor).detach().flatten()
+    return torch.stack([flat.sum(dtype=torch.float64), flat[::3].sum(dtype=torch.float64),
+                        torch.linalg.vector_norm(flat, dtype=torch.float64)])
 
 
 def give_data(kept: nn.Parameter, new: nn.Parameter) -> None:

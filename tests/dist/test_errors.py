@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -120,6 +122,14 @@ def check_ranks_with_different_models_fail_alike() -> None:
             r"\(5 and 5 units in all\)\. Build and annotate the model identically",
             model, torch.ones(1, 8))
 
+    # Rank 1 built one layer fewer: it lacks a unit.
+    model = MLP((8, 7, 5, 3, 1) if dist.get_rank() == 0 else (8, 7, 5, 1))
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    _raises(RuntimeError, r"ranks 0 and 1 built different models: rank 1 has no unit layers\.3, "
+            r"which rank 0 has \(5 and 4 units in all\)", model, torch.ones(1, 8))
+
     # Only rank 1 left its model on the meta device: rank 1's message, on both ranks.
     device = "meta" if dist.get_rank() == 1 else "cpu"
     with torch.device(device):
@@ -167,3 +177,47 @@ def check_misuse_on_one_rank_does_not_communicate() -> int:
 def test_misuse_on_one_rank_does_not_communicate(ranks):
     assert ranks.run(check_misuse_on_one_rank_does_not_communicate, world_size=2) == [0, 0]
 
+
+
+def check_ranks_that_built_other_values_are_warned(sync: bool) -> list[str]:
+    """Weights loaded on rank 0 only: every rank warns at the first forward, naming the first
+    parameter; sync_module_states=True, or equal values, warns of nothing."""
+    torch.manual_seed(0)
+    model = MLP()
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            model.layers[1].weight.add_(1.0)  # "pretrained" on rank 0 only
+    for layer in model.layers:
+        fully_shard(layer, sync_module_states=sync)
+    fully_shard(model, sync_module_states=sync)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.ones(2, 8)).sum().backward()
+        model(torch.ones(2, 8)).sum().backward()  # checked once
+    return [str(w.message) for w in caught if "fsdp_compose" in str(w.message)]
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_ranks_that_built_other_values_are_warned(ranks, sync):
+    warned = ranks.run(check_ranks_that_built_other_values_are_warned, sync=sync)
+    if sync:
+        assert warned == [[], []]
+    else:
+        assert warned[0] == warned[1] and len(warned[0]) == 1, warned
+        assert "ranks 0 and 1 built parameter 'weight' (unit layers.1) with different values" \
+            in warned[0][0] and "sync_module_states=True" in warned[0][0]
+
+
+def check_a_shard_dimension_of_one_is_warned() -> list[str]:
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fully_shard(MLP(), mesh=mesh)
+        fully_shard(MLP(), mesh=mesh["dp"])  # the fix: no warning
+    return [str(w.message) for w in caught]
+
+
+def test_a_shard_dimension_of_one_is_warned_naming_the_mesh(ranks):
+    for warned in ranks.run(check_a_shard_dimension_of_one_is_warned):
+        assert len(warned) == 1 and "shard dimension 'tp' has size 1 (shape (2, 1), dims " \
+            "('dp', 'tp'))" in warned[0] and "mesh['dp']" in warned[0], warned
