@@ -1,16 +1,22 @@
-"""python -m fsdp_compose.plan: rank setups of the example GPT or a Hugging Face Llama
-before running them (see fsdp_compose.plan).
+"""python -m fsdp_compose.plan: rank setups of your model, the example GPT or a Hugging Face
+Llama before running them (see fsdp_compose.plan).
 
     python -m fsdp_compose.plan --model gpt --world-size 8 --budget 64MiB
     python -m fsdp_compose.plan --model llama --world-size 64 --dim 512 --depth 8 --budget 1GiB
+    python -m fsdp_compose.plan --model mypackage.models:build --world-size 8 --budget 1GiB
 
-Sizes and batches are one rank's. The GPT is examples/train_gpt.py's (from a source
-checkout), the Llama transformers' LlamaForCausalLM. Progress goes to stderr, the ranked
-table to stdout."""
+`--model package.module:factory`: `factory()` returns `(model, sample_input)`, one rank's
+batch (or `(model, sample_input, loss_fn)`; the default loss is the output's sum); the module
+is imported as `python -m` would, from the current folder too. Sizes and batches are one
+rank's. The GPT is examples/train_gpt.py's (from a source checkout), the Llama transformers'
+LlamaForCausalLM. Progress goes to stderr, the ranked table to stdout."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
+import re
 import sys
 import textwrap
 import types
@@ -33,6 +39,28 @@ def _budget_argument(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text.strip()
+
+
+def _model_argument(text: str) -> str:
+    if text not in ("gpt", "llama") and not re.fullmatch(r"[\w.]+:\w+", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not gpt, llama or package.module:factory (a function returning "
+            "(model, sample_input))")
+    return text
+
+
+def _factory(spec: str) -> tuple[Callable[[], nn.Module], Any, LossFn | None]:
+    """`package.module:factory` imported; its builder, sample input and loss (None: default)."""
+    module_name, name = spec.split(":")
+    sys.path.insert(0, os.getcwd())  # as python -m finds the current folder's modules
+    factory = getattr(importlib.import_module(module_name), name)
+    made = factory()
+    sample_input, loss = made[1], (made[2] if len(made) > 2 else None)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return factory()[0]  # type: ignore[no-any-return]
+    return build, sample_input, loss
 
 
 def _model(args: argparse.Namespace) -> tuple[Callable[[], nn.Module], LossFn]:
@@ -69,19 +97,26 @@ def _model(args: argparse.Namespace) -> tuple[Callable[[], nn.Module], LossFn]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("gpt", "llama"), default="gpt")
-    parser.add_argument("--world-size", type=int, default=8)
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_compose.plan", description=" ".join(__doc__.split("\n\n")[0].split()),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", type=_model_argument, default="gpt",
+                        help="gpt, llama, or package.module:factory returning (model, sample_input)")
+    parser.add_argument("--world-size", type=int, default=8, help="ranks simulated")
     parser.add_argument("--budget", type=_budget_argument,
                         help="memory per rank: 64MiB (2^20 bytes each), 64MB (10^6), 2048 (bytes)")
     for flag, default in (("--vocab", 128), ("--dim", 64), ("--heads", 4), ("--depth", 4), ("--seq", 32)):
-        parser.add_argument(flag, type=int, default=default)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
+        parser.add_argument(flag, type=int, default=default, help="gpt and llama only")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank (gpt, llama)")
     args = parser.parse_args(argv)
-    tokens = torch.randint(args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    build, loss = _model(args)
+    sample: Any
+    if ":" in args.model:
+        build, sample, loss = _factory(args.model)
+    else:
+        build, loss = _model(args)
+        sample = torch.randint(args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     budget = None if args.budget is None else parse_size(args.budget)
-    plans = plan(build, world_size=args.world_size, sample_input=tokens, memory_budget=budget, loss_fn=loss)
+    plans = plan(build, world_size=args.world_size, sample_input=sample, memory_budget=budget, loss_fn=loss)
     # The budget as read, how the setups are ranked, their table, and the best one's calls.
     read = "" if budget is None else f", budget {args.budget} = {budget:,} bytes ({size(budget)}) per rank"
     print(f"{args.model}, {args.world_size} ranks{read}.")

@@ -168,3 +168,33 @@ def test_memtrackers_warning_is_not_shown():
         plan(lambda: Transformer(depth=2), world_size=2, sample_input=token_batch(0, 2),
              loss_fn=lm_loss, setups=[Setup(), Setup(checkpoint_every=1)])
     assert [str(w.message) for w in caught] == []
+
+
+FACTORY = '''
+import torch
+from tests.models import Transformer
+
+
+def build():
+    return Transformer(depth=2), torch.randint(31, (2, 6))
+'''
+
+
+def test_plans_a_model_of_mine_from_its_factory(capsys, tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    main(["--model", "my_models:build", "--world-size", "2", "--budget", "64MiB"])
+    out = capsys.readouterr().out
+    assert out.startswith("my_models:build, 2 ranks, budget 64MiB")
+    assert len(_ROW.findall(out)) == 12 and "realised by:\nfor block in model.blocks:" in out
+
+
+def test_help_names_the_command_and_gives_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m fsdp_compose.plan")
+    assert "(default: 8)" in out and "package.module:factory" in out
+    with pytest.raises(SystemExit):
+        main(["--model", "nonsense"])
+    assert "'nonsense' is not gpt, llama or package.module:factory" in capsys.readouterr().err
