@@ -5,7 +5,7 @@ decoder layer by wrap policy, activation checkpointing on every layer.
     torchrun --nproc_per_node=2 examples/train_hf_llama.py --export out/      # then:
     python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('out')"
 
-Needs `pip install "fsdp_compose[hf]"`. The data is synthetic and learnable (sequences count
+Needs `pip install -c constraints.txt -e ".[hf]"`. The data is synthetic and learnable (sequences count
 upward from a random token). Rank 0 prints the loss of every step; `--export DIR` writes
 the trained weights and config as a Hugging Face checkpoint directory.
 """
