@@ -7,6 +7,7 @@ import functools
 import os
 import shutil
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,11 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.utils._pytree import tree_map_only
 
 from ..comm.collectives import barrier, is_first_rank
+from . import resume_state
 from .checkpoint_files import CHECKSUMS, MetadataCheckingReader, check_files, checksums
 from .first_rank import file_error, from_first_rank
 from .full_state_dict import mismatches, save_full_state_dict
+from .resume_state import Stateful
 from .safetensors_writer import INCOMPLETE
 
 REPLACED = ".replaced"  # suffix of the previous checkpoint while the new one takes its name
@@ -32,11 +35,14 @@ REPLACED = ".replaced"  # suffix of the previous checkpoint while the new one ta
 def save_checkpoint(
     path: str | os.PathLike[str], model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
+    extra: Mapping[str, Stateful] | None = None, rng: bool = False,
 ) -> None:
     """Save `model`'s and `optimizer`'s state (each rank writes its shards) and the training
-    `step` to the directory `path`; call on every rank. It is written to `<path>.incomplete`
-    and renamed to `path` once every rank finished, so a crash mid-save leaves the previous
-    checkpoint (or none) at `path`, never a half-written one."""
+    `step` to the directory `path`; call on every rank. `extra`: objects whose `state_dict()`
+    to keep too, by name (LR schedulers, samplers, data loaders: each rank's own); `rng`: each
+    rank's random number generators (torch's, CUDA's, Python's). It is written to
+    `<path>.incomplete` and renamed to `path` once every rank finished, so a crash mid-save
+    leaves the previous checkpoint (or none) at `path`, never a half-written one."""
     path = Path(path)
     staging = path.with_name(path.name + INCOMPLETE)
     state: dict[str, Any] = {"model": dcp_state.get_model_state_dict(model)}
@@ -48,6 +54,7 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)  # a save that crashed before
     barrier()
     dcp_save(state, storage_writer=FileSystemWriter(staging))
+    resume_state.write(staging, optimizer, extra, rng)
     sums = checksums(staging)
     # The first rank alone renames; every rank raises its error (none waits for a timeout).
     from_first_rank(functools.partial(_publish, staging, path, sums) if is_first_rank() else None)
@@ -72,10 +79,14 @@ def _publish(staging: Path, path: Path, sums: str) -> None:
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+    *, extra: Mapping[str, Stateful] | None = None, rng: bool = False,
 ) -> int | None:
-    """Load a checkpoint written by `save_checkpoint` into `model` (and `optimizer`), at any
-    world size; return the saved step (None if none was saved). Call on every rank.
+    """Load a checkpoint written by `save_checkpoint` into `model` (and `optimizer`, its param
+    groups whole; `extra` objects by name, `rng` states as saved), at any world size (`extra`
+    and `rng`: each rank its own, or the first rank's where the world size changed); return the
+    saved step (None if none was saved). Call on every rank. A checkpoint torch's DCP recipe
+    saved (`dcp.save({"app": AppState(model, optimizer)})`) loads too.
 
     It loads everything or changes nothing. Before any tensor moves, the metadata, the
     model's keys and shapes and every file's size and CRC-32 are checked; a fault raises one
@@ -101,13 +112,9 @@ def load_checkpoint(
     reader = MetadataCheckingReader(path)
     metadata = from_first_rank(reader.read_metadata if is_first_rank() else None)
     check_files(path, metadata)
-    saved = metadata.state_dict_metadata
     state: dict[str, Any] = {"model": dcp_state.get_model_state_dict(model)}
-    shapes = {k.removeprefix("model."): tuple(item.size) for k, item in saved.items()
-              if k.startswith("model.") and isinstance(item, TensorStorageMetadata)}
-    if problems := mismatches(shapes, {k: tuple(v.shape) for k, v in state["model"].items()}):
-        raise ValueError(f"load_checkpoint: {str(path)!r} does not match the model: {problems}. "
-                         "Was it saved from another model or configuration?")
+    prefix, saved = _matched(path, metadata.state_dict_metadata, state["model"])
+    put_in_place = resume_state.read(path, optimizer, extra, rng)
     fresh = optimizer is not None and not optimizer.state
     if optimizer is not None:
         if not any(key.startswith("optim.") for key in saved):
@@ -118,7 +125,7 @@ def load_checkpoint(
         state["step"] = torch.tensor(0)
     state = _copies(state)  # read into these: the model's own tensors stay untouched
     try:
-        dcp_load(state, storage_reader=reader)
+        dcp_load(_nested(prefix, state), storage_reader=reader)
     except CheckpointException as failed:  # a BaseException, raised on every rank alike
         if fresh:  # DCP stepped it once to create its state: fresh again
             optimizer.state.clear()  # type: ignore[union-attr]
@@ -126,7 +133,47 @@ def load_checkpoint(
     dcp_state.set_model_state_dict(model, state["model"])
     if optimizer is not None:
         dcp_state.set_optimizer_state_dict(model, optimizer, state["optim"])
+    put_in_place()
     return int(state["step"]) if "step" in state else None
+
+
+def _matched(path: Path, saved: Mapping[str, Any], model_state: Mapping[str, Any]
+             ) -> tuple[str, dict[str, Any]]:
+    """The checkpoint's key prefix and its items without it, once its model keys and shapes
+    are found to be the model's (else a ValueError saying how they differ)."""
+    prefix = _prefix(path, saved, model_state)
+    items = {k.removeprefix(prefix): v for k, v in saved.items() if k.startswith(prefix)}
+    shapes = {k.removeprefix("model."): tuple(item.size) for k, item in items.items()
+              if k.startswith("model.") and isinstance(item, TensorStorageMetadata)}
+    if problems := mismatches(shapes, {k: tuple(v.shape) for k, v in model_state.items()}):
+        raise ValueError(f"load_checkpoint: {str(path)!r} does not match the model: {problems}. "
+                         "Was it saved from another model or configuration?")
+    return prefix, items
+
+
+def _prefix(path: Path, saved: Mapping[str, Any], model_state: Mapping[str, Any]) -> str:
+    """What the checkpoint's keys begin with before "model.": "" for save_checkpoint's, "app."
+    for torch's DCP recipe; else an error showing both key sets' beginnings."""
+    probe = next(iter(model_state), None)
+    if probe is None or any(k.startswith("model.") for k in saved):
+        return ""
+    found = {k[: -len(f"model.{probe}")] for k in saved if k.endswith(f".model.{probe}")}
+    if len(found) == 1:
+        return found.pop()
+    beginnings = sorted({".".join(k.split(".")[:2]) + "." for k in saved})
+    raise ValueError(
+        f"load_checkpoint: {str(path)!r} holds none of the model's keys: its keys begin with "
+        f"{beginnings[:8]}, where load_checkpoint looks for 'model.{probe}' and the model's other "
+        "keys under 'model.' (and 'optim.', 'step'). Saved with torch.distributed.checkpoint "
+        "under other names? Load it with dcp.load into the same structure it was saved from."
+    )
+
+
+def _nested(prefix: str, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` under the keys `prefix` names ("app." -> {"app": state})."""
+    for part in reversed(prefix.rstrip(".").split(".") if prefix else []):
+        state = {part: state}
+    return state
 
 
 def _copies(state: Any) -> Any:

@@ -40,7 +40,8 @@ def check_files(path: Path, metadata: Metadata) -> None:
     except ValueError as error:
         raise ValueError(f"load_checkpoint: {str(path / CHECKSUMS)!r} is damaged ({error}); "
                          "nothing was loaded. Load another checkpoint.") from error
-    faults = _shared(sorted(ends), lambda n: _file_fault(path / n, ends[n], recorded.get(n)))
+    names = sorted(set(ends) | set(recorded))  # and the files beside DCP's (resume_state.py)
+    faults = _shared(names, lambda n: _file_fault(path / n, ends.get(n, 0), recorded.get(n)))
     if found := sorted((f for f in faults.values() if f is not None), key=str):
         raise found[0]
 
@@ -50,7 +51,7 @@ def _file_fault(file: Path, end: int, recorded: dict[str, int] | None) -> Except
         size = file.stat().st_size
     except FileNotFoundError:
         return FileNotFoundError(f"load_checkpoint: {str(file)!r} is missing (the checkpoint's .metadata "
-                                 "lists it); nothing was loaded. Load another checkpoint.")
+                                 f"or {CHECKSUMS} lists it); nothing was loaded. Load another checkpoint.")
     if size < end:
         return ValueError(f"load_checkpoint: {str(file)!r} is truncated: {size} bytes, where the "
                           f"checkpoint's .metadata places data up to byte {end}; nothing was loaded.")

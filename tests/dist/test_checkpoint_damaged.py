@@ -153,7 +153,8 @@ def test_loading_costs_at_most_one_copy_of_the_shards_and_state(ranks, tmp_path)
 def test_checksums_are_written_beside_the_data(ranks, tmp_path):
     path = tmp_path / "ckpt"
     ranks.run(check_load_peak, path=str(path))
-    files = sorted(f.name for f in path.iterdir() if f.suffix == ".distcp")
+    files = sorted(f.name for f in path.iterdir() if f.suffix in (".distcp", ".pt"))  # DCP's, ours
+    assert "resume.rank1.pt" in files  # each rank's optimizer param groups (resume_state.py)
     assert sorted(json.loads((path / CHECKSUMS).read_text())) == files
     assert os.path.getsize(path / CHECKSUMS) > 0
 
