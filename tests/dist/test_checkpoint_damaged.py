@@ -62,6 +62,10 @@ def damage(path: Path, how: str) -> None:
     elif how == "bytes flipped, no checksums":  # past every check: the read itself fails
         (path / CHECKSUMS).unlink()
         flip(shard, items[len(items) // 2][0])
+    elif how == "resume file flipped":
+        flip(path / "resume.rank1.pt", 40)
+    elif how == "resume file missing":
+        (path / "resume.rank1.pt").unlink()
     elif how == "checksums not a table":
         (path / CHECKSUMS).write_text("[1, 2]")
     elif how == "checksums without a size":
@@ -76,6 +80,8 @@ EXPECTED = {  # the error each damage raises: its type and what its message must
     "shard cut at a tensor boundary": (ValueError, rf"{SHARD}' is truncated"),
     "shard missing": (FileNotFoundError, rf"{SHARD}' is missing"),
     "bytes flipped": (ValueError, rf"{SHARD}' is damaged: its size or CRC-32 differs"),
+    "resume file flipped": (ValueError, r"resume\.rank1\.pt' is damaged: its size or CRC-32 differs"),
+    "resume file missing": (FileNotFoundError, r"resume\.rank1\.pt' is missing"),
     "checksums not a table": (ValueError, rf"{CHECKSUMS}' is damaged"),
     "checksums without a size": (ValueError, rf"{CHECKSUMS}' is damaged"),
     "bytes flipped, no checksums": (ValueError, r"reading .* failed \(rank [0-9, ]+: \w+: [^\n]*\); the model and optimizer are unchanged"),
