@@ -1,5 +1,6 @@
 """The runtime's one observer slot. While one is set (StepTrace, while open), the runtime tells
-it when each part issues and waits for its collectives and when each unit's backward begins."""
+it when each part issues and waits for its collectives and when each unit's backward begins
+and ends."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ class Observer(Protocol):
 
     def backward_began(self, state: object) -> None:
         """A unit's (UnitState's) backward began: its parameters are gathered."""
+
+    def backward_done(self, state: object) -> None:
+        """A unit's backward computed all its gradients (reduced next, unless without sync)."""
 
 
 current: Observer | None = None

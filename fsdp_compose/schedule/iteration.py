@@ -140,6 +140,8 @@ class UnitState:
     def _backward_done(self) -> None:
         """Called by the BackwardEnd, in PRE_BACKWARD, and at the end of backward: reduce and reshard."""
         self.phase = POST_BACKWARD
+        if (observer := _observer.current) is not None:
+            observer.backward_done(self)
         # Freeing the parameters first keeps them and the reduce-scatter's buffers from
         # being allocated at once (the gradients live apart from the parameters' data).
         if self.settings.reshard_after_backward:

@@ -89,8 +89,6 @@ class StepTrace:
         name = f"fsdp::{self._name(state)} {event}"
         if event == _observer.ISSUE_GATHER:
             name += f" {BACKWARD if in_backward() else FORWARD}"
-        elif event == _observer.ISSUE_REDUCE:
-            self._end(state, COMPUTE, BACKWARD)  # the unit's gradients are all there
         self._events[id(part), event] = (self._now(), torch.profiler.record_function(name).__enter__())
 
     def end(self, part: object, event: str, nbytes: int = 0) -> None:
@@ -112,6 +110,9 @@ class StepTrace:
     def backward_began(self, state: object) -> None:
         if id(state) in self._states and (id(state), COMPUTE, BACKWARD) not in self._open:
             self._begin(state, COMPUTE, BACKWARD, self._now())  # type: ignore[arg-type]
+
+    def backward_done(self, state: object) -> None:
+        self._end(state, COMPUTE, BACKWARD)  # the unit's gradients are all there (synced or not)
 
     # -- what is recorded ----------------------------------------------------------------------
 

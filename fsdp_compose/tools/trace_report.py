@@ -35,12 +35,13 @@ def _label(unit: str) -> str:
 
 
 def unit_table(spans: Sequence[Span], on_cpu: bool) -> str:
-    """One row per unit and pass, in the order the units first ran in that pass."""
+    """One row per unit and pass, in the order the units first ran in that pass; a unit's
+    compute is its own, without that of units running inside it (the root's children)."""
     rows: dict[tuple[str, str], defaultdict[str, float]] = {}
     for s in sorted(spans, key=lambda s: s.start):
         row = rows.setdefault((s.phase, s.unit), defaultdict(float))
         row["peak"] = max(row["peak"], s.memory / _MIB)
-        row[s.kind + " ms"] += (s.end - s.start) * 1e3
+        row[s.kind + " ms"] += (_own(s, spans) if s.kind == COMPUTE else s.end - s.start) * 1e3
         row[s.kind + " MiB"] += s.nbytes / _MIB
         row["exposed ms"] += s.blocked * 1e3
     columns = {  # header: (row key, width)
@@ -55,7 +56,21 @@ def unit_table(spans: Sequence[Span], on_cpu: bool) -> str:
                      + "".join(f"{row[key]:>{w}.3f}" for key, w in columns.values()))
     exposed = sum(s.blocked for s in spans) * 1e3
     lines.append(f"communication not hidden by compute: {exposed:.3f} ms (time blocked in collectives)")
+    lines.append("compute: each unit's own, without the units running inside it")
     return "\n".join(lines)
+
+
+def _own(span: Span, spans: Sequence[Span]) -> float:
+    """`span`'s duration less the time other units computed inside it (their union)."""
+    inside = sorted((max(o.start, span.start), min(o.end, span.end)) for o in spans
+                    if o.kind == COMPUTE and o.unit != span.unit
+                    and o.start < span.end and o.end > span.start)
+    covered, reached = 0.0, span.start
+    for start, end in inside:
+        if end > reached:
+            covered += end - max(start, reached)
+            reached = end
+    return span.end - span.start - covered
 
 
 def chrome_trace(path: str, ranks: Sequence[Sequence[Span]]) -> None:

@@ -168,3 +168,40 @@ def test_parameters_on_two_meshes(ranks):
     assert sum(kind == "reduce-scatter" for _, kind, _ in spans) == counted[REDUCE_SCATTER]
     block_gathers = [n for unit, kind, n in spans if unit == "blocks.0" and kind == "all-gather"]
     assert len(block_gathers) == 4 and len(set(block_gathers)) == 2  # two meshes, two passes
+
+
+def check_accumulation() -> dict[str, object]:
+    """Two micro-batches, the first without gradient sync: each unit computes one backward per
+    micro-batch, reduces once, and the root's compute is told apart from its blocks'."""
+    model = annotated()
+    with StepTrace(model) as trace:
+        model.set_requires_gradient_sync(False)
+        lm_loss(model, token_batch(1, 2)).backward()
+        model.set_requires_gradient_sync(True)
+        lm_loss(model, token_batch(2, 2)).backward()
+    spans = sorted(trace.spans, key=lambda s: s.start)
+    forwards = [s for s in spans if s.kind == "compute" and s.phase == "forward"]
+    second_forward = [s.start for s in forwards if s.unit == ""][1]
+    backwards = [s for s in spans if s.kind == "compute" and s.phase == "backward"]
+    root_rows = [line for line in trace.table().splitlines() if line.startswith("forward  (root)")]
+    root = next(s for s in forwards if s.unit == "")
+    return {
+        "backwards": sorted((s.unit, 1) for s in backwards),
+        "first backwards end before the second forward": all(
+            s.end <= second_forward for s in backwards if s.start < second_forward),
+        "reductions": sorted(s.unit for s in spans if s.kind == "reduce-scatter"),
+        "root own ms": float(root_rows[0].split()[2]) if root_rows else None,
+        "root span ms": sum((s.end - s.start) * 1e3 for s in forwards if s.unit == ""),
+        "root first span ms": (root.end - root.start) * 1e3,
+        "table": trace.table(),
+    }
+
+
+def test_a_trace_under_accumulation_shows_each_backward_and_only_the_reductions_made(ranks):
+    result = ranks.run(check_accumulation)[0]
+    units = ["", "blocks.0", "blocks.1"]
+    assert result["backwards"] == sorted((u, 1) for u in units for _ in range(2)), result
+    assert result["first backwards end before the second forward"], result
+    assert result["reductions"] == sorted(units), result  # the synced micro-batch's only
+    assert result["root own ms"] is not None and result["root own ms"] < result["root span ms"], result
+    assert "compute: each unit's own" in result["table"]
