@@ -34,6 +34,7 @@ FUNCTIONALS = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax", "nadam", 
 SHARDED_IDS: set[int] = set()
 _enabled = True
 _LOCAL = operator.attrgetter("_local_tensor")  # a DTensor's own local tensor
+_PER_PARAMETER = (DTensor, type(None))  # the first of a list to unwrap (not scalar steps')
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
 
 
@@ -47,11 +48,15 @@ def set_local_optimizer_step(enabled: bool) -> None:
 
 @functools.cache
 def install() -> None:
-    """Wrap each elementwise optimizer's function; check optimizers for replaced tensors."""
+    """Wrap each elementwise optimizer's function and its class's `_init_group`; check
+    optimizers for replaced tensors."""
     register_optimizer_step_pre_hook(_check_replaced)
     for name in FUNCTIONALS:
         module = importlib.import_module(f"torch.optim.{name}")
         setattr(module, name, _on_local_tensors(getattr(module, name)))
+        for cls in vars(module).values():  # AdamW has Adam's
+            if isinstance(cls, type) and "_init_group" in vars(cls):
+                cls._init_group = _reading_dtensors_directly(cls._init_group)  # type: ignore[attr-defined]
 
 
 def _check_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -66,12 +71,12 @@ def _on_local_tensors(functional: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(functional)
     def step(*args: Any, **kwargs: Any) -> Any:
         params = args[0]  # then per-parameter lists: gradients, state (None: to create)
-        if not (_enabled and _ours(params)) or kwargs.get("differentiable") \
-                or torch.compiler.is_compiling():
+        first = _ours(params) if _enabled else None
+        if first is None or kwargs.get("differentiable") or torch.compiler.is_compiling():
             return functional(*args, **kwargs)
         local_args, created = list(args), []
         for i, arg in enumerate(args):  # per-parameter lists: gradients, state
-            if type(arg) is list and len(arg) == len(params):
+            if type(arg) is list and len(arg) == len(params) and type(arg[first]) in _PER_PARAMETER:
                 try:
                     local_args[i] = list(map(_LOCAL, arg))  # all DTensors, at C speed
                 except AttributeError:  # plain tensors, or None where state is to be made
@@ -88,12 +93,27 @@ def _on_local_tensors(functional: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
-def _ours(params: list[torch.Tensor]) -> bool:
-    """Whether every DTensor in `params` is a sharded parameter of ours (at least one)."""
+def _reading_dtensors_directly(init_group: Callable[..., Any]) -> Callable[..., Any]:
+    """`_init_group` reads each parameter's `.grad` and state; on DTensors, whose
+    __torch_function__ is disabled anyway, each read first looks for one: skipped, it costs
+    half (54 against 18 µs for 96 parameters above plain tensors)."""
+    @functools.wraps(init_group)
+    def run(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if _enabled and _ours(group["params"]) is not None:
+            with torch._C.DisableTorchFunctionSubclass():
+                return init_group(self, group, *args, **kwargs)
+        return init_group(self, group, *args, **kwargs)
+
+    return run
+
+
+def _ours(params: list[torch.Tensor]) -> int | None:
+    """The index of the first DTensor in `params` if every DTensor there is a sharded
+    parameter of ours (at least one); else None."""
     if SHARDED_IDS.issuperset(map(id, params)):
-        return len(params) > 0
-    dtensors = [p for p in params if type(p) is DTensor]
-    return bool(dtensors) and all(id(p) in SHARDED_IDS for p in dtensors)
+        return 0 if params else None
+    at = [i for i, p in enumerate(params) if type(p) is DTensor]
+    return at[0] if at and all(id(params[i]) in SHARDED_IDS for i in at) else None
 
 
 def _like(param: torch.Tensor, value: Any) -> Any:

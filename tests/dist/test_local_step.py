@@ -439,3 +439,44 @@ def check_grad_scaler_and_a_group_added() -> float:
 
 def test_grad_scaler_and_add_param_group_step_as_on_fsdp2(ranks):
     assert ranks.run(check_grad_scaler_and_a_group_added)[0] == 0.0
+
+
+def check_a_group_mixing_plain_and_sharded_parameters(variant: str) -> tuple[float, list[bool]]:
+    """An ignored (plain) parameter first in the optimizer's group, then sharded ones."""
+    import copy
+
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    ref = Transformer()
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        model = copy.deepcopy(ref)
+        ignored = {model.pos_emb}
+        for block in model.blocks:
+            shard(block, ignored_params=ignored)
+        shard(model, ignored_params=ignored)
+        models.append(model)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, **VARIANTS[variant]) for m in models]
+    assert not isinstance(next(models[0].parameters()), DTensor)  # the plain one first
+    kernels = []
+    for step in range(2):
+        for model in models:
+            lm_loss(model, rank_share(token_batch(step, 4))).backward()
+        for model in models:  # the ignored parameter is not reduced: average it by hand
+            grad = model.pos_emb.grad
+            dist.all_reduce(grad)
+            grad /= dist.get_world_size()
+        with KernelInputs() as mode:
+            optims[0].step()
+        kernels.append(mode.got_dtensors)
+        optimizer_step(optims[1:])
+        optims[0].zero_grad()
+    return max_diff_to(*models), kernels
+
+
+def test_a_group_mixing_plain_and_sharded_parameters_steps_as_fsdp2(ranks):
+    # (for-loop: FSDP2's foreach step refuses a list mixing tensors and DTensors)
+    vs_torch, kernels = ranks.run(check_a_group_mixing_plain_and_sharded_parameters,
+                                  variant="for-loop")[0]
+    assert vs_torch == 0.0 and kernels == [False, False]
