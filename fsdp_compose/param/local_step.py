@@ -54,8 +54,8 @@ def install() -> None:
     for name in FUNCTIONALS:
         module = importlib.import_module(f"torch.optim.{name}")
         setattr(module, name, _on_local_tensors(getattr(module, name)))
-        for cls in vars(module).values():  # AdamW has Adam's
-            if isinstance(cls, type) and "_init_group" in vars(cls):
+        for cls in vars(module).values():  # the module's own classes (AdamW has Adam's)
+            if isinstance(cls, type) and cls.__module__ == module.__name__ and "_init_group" in vars(cls):
                 cls._init_group = _reading_dtensors_directly(cls._init_group)  # type: ignore[attr-defined]
 
 
