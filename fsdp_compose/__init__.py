@@ -10,6 +10,7 @@ from .api.wrap import WrapPolicy, wrap
 from .comm.meshes import DataParallelMeshDims
 from .io.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from .io.full_state_dict import load_full_state_dict, save_full_state_dict
+from .io.whole_weights import iter_full_state_dict
 from .param.local_step import set_local_optimizer_step
 from .param.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .schedule.unmanaged import UnmanagedParametersWarning
@@ -23,6 +24,7 @@ __all__ = [
     "GradientReductionHandle", "Int8RowCodec", "MixedPrecisionPolicy", "OffloadPolicy", "Plan",
     "Setup", "StepTrace", "TorchFSDPSwitch", "UnmanagedParametersWarning", "UnshardHandle",
     "WrapPolicy", "checkpoint_blocks", "clip_grad_norm_", "export_safetensors", "fully_shard",
+    "iter_full_state_dict",
     "load_checkpoint", "load_full_state_dict", "materialize", "plan",
     "register_fsdp_forward_method", "replace_torch_fsdp", "replicate", "save_checkpoint",
     "save_full_state_dict", "set_local_optimizer_step", "share_comm_ctx", "wrap",

@@ -181,6 +181,17 @@ class ShardedParam:
         return [Registration(module._parameters, name, self.sharded, self.unsharded)
                 for module, name in self.owners]
 
+    def whole_from_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The whole parameter (its global shape) from every rank's padded shard, rank after
+        rank in `rows`; tensor-parallel, gathered over its tensor-parallel mesh too."""
+        layout = self.layout
+        flat = torch.empty(layout.shard_size * layout.padded_shard_numel, dtype=rows.dtype,
+                           device=rows.device)
+        target = layout.rank_rows(flat)
+        target.copy_(rows.reshape(target.shape))
+        whole = flat[: layout.numel].view(layout.shape)
+        return whole if self._tp is None else self._tp.as_dtensor(whole).full_tensor()
+
     def pop_unsharded_grad(self) -> torch.Tensor | None:
         """Take this backward's unsharded gradient, as a plain tensor (TP: its local part)."""
         grad = self.unsharded.grad
@@ -221,10 +232,11 @@ def zeroed_shard(local: torch.Tensor, numel: int, device: torch.device, pin: boo
 
 
 def checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """Three sums that tell apart tensors of different values (as float64: no copy)."""
+    """Three sums that tell apart tensors of different values (accumulated wide: no copy)."""
     flat = (torch.view_as_real(tensor) if tensor.is_complex() else tensor).detach().flatten()
-    return torch.stack([flat.sum(dtype=torch.float64), flat[::3].sum(dtype=torch.float64),
-                        torch.linalg.vector_norm(flat, dtype=torch.float64)])
+    wide = torch.float32 if flat.device.type == "mps" else torch.float64  # MPS has no float64
+    return torch.stack([flat.sum(dtype=wide), flat[::3].sum(dtype=wide),
+                        torch.linalg.vector_norm(flat, dtype=wide)])
 
 
 def give_data(kept: nn.Parameter, new: nn.Parameter) -> None:

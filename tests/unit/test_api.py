@@ -49,7 +49,7 @@ def test_fsdp_module_has_every_public_method_of_torch():
 def test_public_names():
     assert sorted(fsdp_compose.__all__) == [
         "AllGatherCodec", "CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "GradientReductionHandle", "Int8RowCodec", "MixedPrecisionPolicy", "OffloadPolicy",
-        "Plan", "Setup", "StepTrace", "TorchFSDPSwitch", "UnmanagedParametersWarning", "UnshardHandle", "WrapPolicy", "checkpoint_blocks", "clip_grad_norm_", "export_safetensors", "fully_shard",
+        "Plan", "Setup", "StepTrace", "TorchFSDPSwitch", "UnmanagedParametersWarning", "UnshardHandle", "WrapPolicy", "checkpoint_blocks", "clip_grad_norm_", "export_safetensors", "fully_shard", "iter_full_state_dict",
         "load_checkpoint", "load_full_state_dict", "materialize", "plan", "register_fsdp_forward_method",
         "replace_torch_fsdp", "replicate",
         "save_checkpoint", "save_full_state_dict", "set_local_optimizer_step", "share_comm_ctx",

@@ -1,0 +1,97 @@
+"""A model's weights whole, unit by unit: `iter_full_state_dict` gathers each unit's shards with
+one all-gather per mesh (in the parameters' own dtypes, as bytes: exact values, whatever the
+unit sends in training) and hands the tensors out one at a time, so a rank holds its shards,
+one unit's gathered bytes and the tensor it hands out. For sending weights to an inference
+engine, or to disk (save_full_state_dict)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..comm.collectives import all_gather
+from ..param.sharded_param import ShardedParam
+from ..schedule.state import state_of
+from ..unit.part import MeshPart
+
+# What a state dict entry is read from: a part's gathered parameter, or the entry itself.
+_Source = tuple[MeshPart, ShardedParam] | None
+
+
+def iter_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` for every entry of `model.state_dict()` once, whole (the values
+    `full_tensor()` gives; cast to `dtype` if given, floating point ones only), unit by unit;
+    call on every rank and consume every item (each unit's all-gather is a collective). A
+    tensor-parallel parameter is gathered over its tensor-parallel mesh too (one all-gather
+    each). The order is `full_state_dict_order(model)`."""
+    for part, names in full_state_dict_order(model):
+        if part is None:
+            state = model.state_dict()
+            for name in names:
+                yield name, _cast(_whole(state[name]), dtype)
+            continue
+        gathered, offsets = _gather_bytes(part)
+        for (p, start, end), name_group in zip(offsets, names):
+            if not name_group:
+                continue
+            rows = gathered[:, start:end]
+            whole = p.whole_from_rows(rows.view(p.padded_shard.dtype)) if p.extension is None \
+                else p.sharded.full_tensor()  # type: ignore[attr-defined]  # a subclass: its own gather
+            for name in name_group:
+                yield name, _cast(whole, dtype)
+            del whole  # (the consumer's reference alone keeps it)
+        del gathered
+
+
+def full_state_dict_order(model: nn.Module) -> list[tuple[MeshPart | None, list[Any]]]:
+    """The units' parts in the state dict's order of their first entry, each with the names of
+    each of its parameters (a list per parameter, in the part's order: tied ones have
+    several); entries of no unit (buffers, ignored parameters) in runs of their own, under None."""
+    of_param = {id(p.sharded): (part, p) for m in model.modules() if (s := state_of(m)) is not None
+                for part in s.unit.parts for p in part.params}
+    order: list[tuple[MeshPart | None, list[Any]]] = []
+    by_part: dict[int, dict[int, list[str]]] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        source: _Source = of_param.get(id(value))
+        if source is None:
+            if not order or order[-1][0] is not None:
+                order.append((None, []))
+            order[-1][1].append(name)
+            continue
+        part, p = source
+        if id(part) not in by_part:
+            by_part[id(part)] = {id(q): [] for q in part.params}
+            order.append((part, []))
+        by_part[id(part)][id(p)].append(name)
+    return [(part, names if part is None else list(by_part[id(part)].values()))
+            for part, names in order]
+
+
+def _gather_bytes(part: MeshPart) -> tuple[torch.Tensor, list[tuple[ShardedParam, int, int]]]:
+    """Every rank's padded shards of `part`'s parameters, as bytes (rank r's in row r), and
+    each parameter's columns; one all-gather over the part's shard group."""
+    mesh = part.mesh
+    pieces, offsets, start = [], [], 0
+    for p in part.params:
+        data = p.padded_shard.to(mesh.device).reshape(-1).view(torch.uint8)
+        pieces.append(F.pad(data, (0, -data.numel() % 8)))  # 8-byte columns view as any dtype
+        offsets.append((p, start, start + data.numel()))
+        start += pieces[-1].numel()
+    sent = torch.cat(pieces)
+    gathered = torch.empty((mesh.shard_size, sent.numel()), dtype=torch.uint8, device=mesh.device)
+    all_gather(gathered.view(-1), sent, mesh.shard_group, mesh.shard_size, async_op=False)
+    return gathered, offsets
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value.detach()
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
