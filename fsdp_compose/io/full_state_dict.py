@@ -1,11 +1,13 @@
-"""Whole checkpoints in Hugging Face's safetensors layout, streamed a tensor at a time so no
+"""Whole checkpoints in Hugging Face's safetensors layout, streamed a unit at a time so no
 rank holds the whole model. Only the first rank touches the files; it shares its verdict
 (io/first_rank.py) before any tensor moves, after each file and before each loaded batch,
 so every rank raises the same error."""
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ from ..comm.collectives import broadcast, is_first_rank
 from .first_rank import file_error, from_first_rank
 from .safetensors_header import DTYPES, Saved, read_headers
 from .safetensors_writer import Entries, Saving, plan_files
+from .whole_weights import full_state_dict_order, iter_full_state_dict, load_whole_items
 
 _LOAD_BATCH = 64 * 1024**2  # bytes of whole tensors a rank holds before loading them
 
@@ -25,7 +28,8 @@ def save_full_state_dict(
     model: nn.Module, path: str | os.PathLike[str], *, max_shard_size: int = 5 * 1024**3
 ) -> None:
     """Write `model`'s whole state dict (under the names `state_dict()` gives) as safetensors from
-    the first rank, which holds at most one whole tensor beyond its shards; call on every rank.
+    the first rank, gathered by `iter_full_state_dict` (one all-gather per unit), so a rank holds
+    one unit's gathered bytes and one whole tensor beyond its shards; call on every rank.
     `path` is a directory (`model.safetensors`, or past `max_shard_size` bytes several files and an
     index, as `save_pretrained` writes them) or a file name ending in `.safetensors`.
 
@@ -33,17 +37,20 @@ def save_full_state_dict(
     cannot write, it removes what it wrote, files already at `path` stay as they were, and every
     rank raises the same OSError naming the file."""
     state = _tensors(model, "save_full_state_dict")  # sharded DTensors: nothing gathered yet
-    entries: Entries = [(k, t.dtype, tuple(t.shape)) for k, t in state.items()]
+    order = [name for part, names in full_state_dict_order(model)
+             for name in (names if part is None else itertools.chain.from_iterable(names))]
+    entries: Entries = [(k, state[k].dtype, tuple(state[k].shape)) for k in order]
     files = plan_files(Path(path), entries, max_shard_size)
     saving = Saving(Path(path), files) if is_first_rank() else None
     try:
         from_first_rank(saving.start if saving is not None else None)
+        wholes = iter_full_state_dict(model)  # in `order`
         for _, file_entries in files:
-            for name, _, _ in file_entries:
-                whole = state[name]
-                whole = (whole.full_tensor() if isinstance(whole, DTensor) else whole).detach()
+            for _ in file_entries:
+                _, whole = next(wholes)
                 if saving is not None:
                     saving.write(whole)
+                del whole
             from_first_rank(saving.next_file if saving is not None else None)
     except BaseException:
         if saving is not None:
@@ -51,11 +58,18 @@ def save_full_state_dict(
         raise
 
 
-def load_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None:
+def load_full_state_dict(
+    model: nn.Module, path: str | os.PathLike[str] | Iterable[tuple[str, torch.Tensor]]
+) -> None:
     """Load a safetensors checkpoint (a file, or a directory holding `model.safetensors` or
     an index and its files) into `model`, sharded or not; call on every rank. A missing or
     damaged checkpoint, or names and shapes other than the model's, raise the same error on
-    every rank before any tensor is sent."""
+    every rank before any tensor is sent. `path` may instead be `(name, tensor)` pairs of whole
+    tensors, the same on every rank (another model's `iter_full_state_dict`): each rank keeps
+    its part as they come, and a mismatch changes nothing (io/whole_weights.py)."""
+    if not isinstance(path, (str, os.PathLike)):
+        load_whole_items(model, path)
+        return
     state = _tensors(model, "load_full_state_dict")
     saved = from_first_rank((lambda: read_headers(Path(path))) if is_first_rank() else None)
     if problems := mismatches({k: tuple(s.shape) for k, s in saved.items()},

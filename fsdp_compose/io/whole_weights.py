@@ -2,19 +2,20 @@
 one all-gather per mesh (in the parameters' own dtypes, as bytes: exact values, whatever the
 unit sends in training) and hands the tensors out one at a time, so a rank holds its shards,
 one unit's gathered bytes and the tensor it hands out. For sending weights to an inference
-engine, or to disk (save_full_state_dict)."""
+engine, or to disk (save_full_state_dict). And back in: `load_whole_items` takes such tensors
+from any source, each rank keeping its part as they arrive."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..comm.collectives import all_gather
+from ..comm.collectives import all_gather, every_rank
 from ..param.sharded_param import ShardedParam
 from ..schedule.state import state_of
 from ..unit.part import MeshPart
@@ -95,3 +96,40 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
+
+
+def load_whole_items(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load whole tensors, `(name, tensor)` in any order (every rank the same: another model's
+    iter_full_state_dict, a safetensors reader on each rank), into `model`, sharded or not.
+    Each rank keeps its own part of each tensor as it arrives (one copy of its shards at the
+    peak, beside the tensor arriving); names and shapes other than the model's raise the same
+    ValueError on every rank before the model changes."""
+    state = model.state_dict()
+    staged: dict[str, torch.Tensor] = {}
+    unexpected, shapes = [], []
+    for name, whole in items:
+        target = state.get(name)
+        if target is None:
+            unexpected.append(name)
+        elif tuple(whole.shape) != tuple(target.shape):
+            shapes.append(f"{name!r}: given {tuple(whole.shape)}, model {tuple(target.shape)}")
+        else:
+            staged[name] = _part_of(whole.detach(), target)
+    missing = [name for name in state if name not in staged]
+    found = {"missing keys": missing, "unexpected keys": unexpected, "shape mismatches": shapes}
+    problem = "; ".join(f"{label} {names}" for label, names in found.items() if names) or None
+    if errors := [p for p in every_rank(problem) if p is not None]:
+        raise ValueError(f"load_full_state_dict: the tensors given do not match the model: "
+                         f"{errors[0]}; nothing was loaded.")
+    model.load_state_dict(staged)
+
+
+def _part_of(whole: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `whole`, laid out as `target` (a DTensor: its shard), a copy."""
+    if not isinstance(target, DTensor):
+        return whole.to(target.device, target.dtype, copy=True)
+    local = target.to_local()
+    part = distribute_tensor(whole.to(local.device, target.dtype), target.device_mesh,
+                             target.placements, src_data_rank=None)
+    return DTensor.from_local(part.to_local().clone(), target.device_mesh, target.placements,
+                              run_check=False, shape=target.shape, stride=target.stride())

@@ -12,7 +12,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_compose import CPUOffloadPolicy, Int8RowCodec, fully_shard, iter_full_state_dict
+from fsdp_compose import (
+    CPUOffloadPolicy, Int8RowCodec, fully_shard, iter_full_state_dict, load_full_state_dict,
+)
 from tests.dist.counting import ALL_GATHER, CollectiveCounter
 from tests.dist.parity import make_mesh, per_block
 from tests.dist.test_serialization import MixedDtypes
@@ -108,3 +110,34 @@ def check_against_a_loop_of_full_tensor() -> tuple[int, int, int]:
 def test_one_all_gather_per_unit_where_full_tensor_takes_one_per_tensor(ranks):
     ours, loop, tensors = ranks.run(check_against_a_loop_of_full_tensor)[0]
     assert ours == 3 and loop == tensors
+
+
+def check_loading_whole_tensors_from_another_model(layout: str) -> dict[str, object]:
+    """A trained model's iter_full_state_dict into a fresh one of the same layout: equal; then
+    tensors of a wrong shape, and a name missing: refused alike, nothing changed."""
+    trained, _ = build(layout)
+    torch.manual_seed(1)
+    fresh, _ = build(layout)  # (the same seed: retrain it elsewhere first)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)  # other values, to be replaced
+    load_full_state_dict(fresh, iter_full_state_dict(trained))
+    after = dict(iter_full_state_dict(fresh))
+    equal = all(torch.equal(after[k], v) for k, v in iter_full_state_dict(trained))
+    before = {k: v.clone() for k, v in after.items()}
+    bad = [(k, v[..., :1] if v.dim() else v) if i == 0 else (k, v)
+           for i, (k, v) in enumerate(iter_full_state_dict(trained))][:-1]  # one cut, one gone
+    with pytest.raises(ValueError) as raised:
+        load_full_state_dict(fresh, bad)
+    unchanged = all(torch.equal(v, before[k]) for k, v in iter_full_state_dict(fresh))
+    return {"equal": equal, "unchanged": unchanged, "error": str(raised.value)}
+
+
+@pytest.mark.parametrize("layout", ["even and uneven rows", "HSDP", "tensor parallel"])
+def test_whole_tensors_load_into_a_sharded_model_and_a_mismatch_changes_nothing(ranks, layout):
+    world = 4 if layout in ("HSDP", "tensor parallel") else 2
+    results = ranks.run(check_loading_whole_tensors_from_another_model, layout=layout, world_size=world)
+    assert len({r["error"] for r in results}) == 1, results
+    for result in results:
+        assert result["equal"] and result["unchanged"], result
+        assert "missing keys [" in result["error"] and "shape mismatches [" in result["error"]
