@@ -7,11 +7,11 @@ from any source, each rank keeping its part as they arrive."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -76,18 +76,17 @@ def full_state_dict_order(model: nn.Module) -> list[tuple[MeshPart | None, list[
 
 def _gather_bytes(part: MeshPart) -> tuple[torch.Tensor, list[tuple[ShardedParam, int, int]]]:
     """Every rank's padded shards of `part`'s parameters, as bytes (rank r's in row r), and
-    each parameter's columns; one all-gather over the part's shard group."""
+    each parameter's columns (8-byte aligned: they view as any dtype); one all-gather over the
+    part's shard group, this rank's row written in place (no buffer to send from)."""
     mesh = part.mesh
-    pieces, offsets, start = [], [], 0
-    for p in part.params:
-        data = p.padded_shard.to(mesh.device).reshape(-1).view(torch.uint8)
-        pieces.append(F.pad(data, (0, -data.numel() % 8)))  # 8-byte columns view as any dtype
-        offsets.append((p, start, start + data.numel()))
-        start += pieces[-1].numel()
-    sent = torch.cat(pieces)
-    gathered = torch.empty((mesh.shard_size, sent.numel()), dtype=torch.uint8, device=mesh.device)
-    all_gather(gathered.view(-1), sent, mesh.shard_group, mesh.shard_size, async_op=False)
-    return gathered, offsets
+    sizes = [p.padded_shard.nbytes for p in part.params]
+    *starts, width = itertools.accumulate((n + -n % 8 for n in sizes), initial=0)
+    gathered = torch.empty((mesh.shard_size, width), dtype=torch.uint8, device=mesh.device)
+    row = gathered[mesh.shard_rank]
+    torch._foreach_copy_([row[a : a + n] for a, n in zip(starts, sizes)],  # (from the CPU: offload)
+                         [p.padded_shard.reshape(-1).view(torch.uint8) for p in part.params])
+    all_gather(gathered.view(-1), row, mesh.shard_group, mesh.shard_size, async_op=False)
+    return gathered, [(p, a, a + n) for p, a, n in zip(part.params, starts, sizes)]
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
@@ -105,6 +104,8 @@ def load_whole_items(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]]
     peak, beside the tensor arriving); names and shapes other than the model's raise the same
     ValueError on every rank before the model changes."""
     state = model.state_dict()
+    sharded = {name: p for part, names in full_state_dict_order(model) if part is not None
+               for p, group in zip(part.params, names) for name in group}
     staged: dict[str, torch.Tensor] = {}
     unexpected, shapes = [], []
     for name, whole in items:
@@ -114,7 +115,7 @@ def load_whole_items(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]]
         elif tuple(whole.shape) != tuple(target.shape):
             shapes.append(f"{name!r}: given {tuple(whole.shape)}, model {tuple(target.shape)}")
         else:
-            staged[name] = _part_of(whole.detach(), target)
+            staged[name] = _part_of(whole.detach(), target, sharded.get(name))
     missing = [name for name in state if name not in staged]
     found = {"missing keys": missing, "unexpected keys": unexpected, "shape mismatches": shapes}
     problem = "; ".join(f"{label} {names}" for label, names in found.items() if names) or None
@@ -124,12 +125,14 @@ def load_whole_items(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]]
     model.load_state_dict(staged)
 
 
-def _part_of(whole: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `whole`, laid out as `target` (a DTensor: its shard), a copy."""
+def _part_of(whole: torch.Tensor, target: torch.Tensor, ours: ShardedParam | None) -> torch.Tensor:
+    """This rank's part of `whole`, laid out as `target` (a DTensor: its shard), a copy; of a
+    parameter of ours cut as its shard is (a view, then copied: DTensor's own split copies
+    `whole` first)."""
     if not isinstance(target, DTensor):
         return whole.to(target.device, target.dtype, copy=True)
-    local = target.to_local()
-    part = distribute_tensor(whole.to(local.device, target.dtype), target.device_mesh,
-                             target.placements, src_data_rank=None)
+    whole = whole.to(target.to_local().device, target.dtype)
+    part = ours.shard_of(whole) if ours is not None else distribute_tensor(
+        whole, target.device_mesh, target.placements, src_data_rank=None)
     return DTensor.from_local(part.to_local().clone(), target.device_mesh, target.placements,
                               run_check=False, shape=target.shape, stride=target.stride())
