@@ -1,7 +1,8 @@
 """A model's weights whole, unit by unit: `iter_full_state_dict` gathers each unit's shards with
 one all-gather per mesh (in the parameters' own dtypes, as bytes: exact values, whatever the
-unit sends in training) and hands the tensors out one at a time, so a rank holds its shards,
-one unit's gathered bytes and the tensor it hands out. For sending weights to an inference
+unit sends in training; a unit larger than its largest tensor or 4 MiB, in pieces of that
+size) and hands the tensors out one at a time, so a rank holds its shards, one gather's bytes
+and the tensor it hands out (a lone large one: a view of its gathered rows). For sending weights to an inference
 engine, or to disk (save_full_state_dict). And back in: `load_whole_items` takes such tensors
 from any source, each rank keeping its part as they arrive."""
 
@@ -22,6 +23,7 @@ from ..unit.part import MeshPart
 
 # What a state dict entry is read from: a part's gathered parameter, or the entry itself.
 _Source = tuple[MeshPart, ShardedParam] | None
+_GATHER_BYTES = 4 * 2**20  # the least a gather may hold: a unit of small tensors goes at once
 
 
 def iter_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
@@ -31,23 +33,27 @@ def iter_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
     call on every rank and consume every item (each unit's all-gather is a collective). A
     tensor-parallel parameter is gathered over its tensor-parallel mesh too (one all-gather
     each). The order is `full_state_dict_order(model)`."""
-    for part, names in full_state_dict_order(model):
+    order = full_state_dict_order(model)
+    # A gather's bytes: at most the largest parameter's (alone, it is handed out as a view of
+    # its gathered rows), or more small ones together.
+    cap = max([_GATHER_BYTES] + [p.padded_shard.nbytes * p.layout.shard_size
+                                 for part, _ in order if part is not None for p in part.params])
+    for part, names in order:
         if part is None:
             state = model.state_dict()
             for name in names:
                 yield name, _cast(_whole(state[name]), dtype)
             continue
-        gathered, offsets = _gather_bytes(part)
-        for (p, start, end), name_group in zip(offsets, names):
-            if not name_group:
-                continue
-            rows = gathered[:, start:end]
-            whole = p.whole_from_rows(rows.view(p.padded_shard.dtype)) if p.extension is None \
-                else p.sharded.full_tensor()  # type: ignore[attr-defined]  # a subclass: its own gather
-            for name in name_group:
-                yield name, _cast(whole, dtype)
-            del whole  # (the consumer's reference alone keeps it)
-        del gathered
+        for chunk in _chunks(list(zip(part.params, names)), cap):
+            gathered, offsets = _gather_bytes(part, [p for p, _ in chunk])
+            for (p, start, end), (_, name_group) in zip(offsets, chunk):
+                rows = gathered[:, start:end].view(p.padded_shard.dtype)
+                whole = p.whole_from_rows(rows) if p.extension is None \
+                    else p.sharded.full_tensor()  # type: ignore[attr-defined]  # a subclass: its own gather
+                for name in name_group:
+                    yield name, _cast(whole, dtype)
+                del whole  # (the consumer's reference alone keeps it)
+            del gathered
 
 
 def full_state_dict_order(model: nn.Module) -> list[tuple[MeshPart | None, list[Any]]]:
@@ -74,19 +80,40 @@ def full_state_dict_order(model: nn.Module) -> list[tuple[MeshPart | None, list[
             for part, names in order]
 
 
-def _gather_bytes(part: MeshPart) -> tuple[torch.Tensor, list[tuple[ShardedParam, int, int]]]:
-    """Every rank's padded shards of `part`'s parameters, as bytes (rank r's in row r), and
+def _chunks(params: list[tuple[ShardedParam, list[str]]], cap: int
+            ) -> Iterator[list[tuple[ShardedParam, list[str]]]]:
+    """Consecutive runs of the parameters with names, each of at most `cap` gathered bytes
+    (or one parameter)."""
+    chunk: list[tuple[ShardedParam, list[str]]] = []
+    size = 0
+    for p, names in params:
+        if not names:
+            continue
+        nbytes = p.padded_shard.nbytes * p.layout.shard_size
+        if chunk and size + nbytes > cap:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((p, names))
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def _gather_bytes(part: MeshPart, params: list[ShardedParam]
+                  ) -> tuple[torch.Tensor, list[tuple[ShardedParam, int, int]]]:
+    """Every rank's padded shards of `params` (of `part`), as bytes (rank r's in row r), and
     each parameter's columns (8-byte aligned: they view as any dtype); one all-gather over the
     part's shard group, this rank's row written in place (no buffer to send from)."""
     mesh = part.mesh
-    sizes = [p.padded_shard.nbytes for p in part.params]
-    *starts, width = itertools.accumulate((n + -n % 8 for n in sizes), initial=0)
+    sizes = [p.padded_shard.nbytes for p in params]
+    starts = list(itertools.accumulate((n + -n % 8 for n in sizes[:-1]), initial=0))
+    width = starts[-1] + sizes[-1]  # (no padding after the last: a lone one's rows are contiguous)
     gathered = torch.empty((mesh.shard_size, width), dtype=torch.uint8, device=mesh.device)
     row = gathered[mesh.shard_rank]
-    torch._foreach_copy_([row[a : a + n] for a, n in zip(starts, sizes)],  # (from the CPU: offload)
-                         [p.padded_shard.reshape(-1).view(torch.uint8) for p in part.params])
+    torch._foreach_copy_([row[a : a + n] for a, n in zip(starts, sizes)],  # (offload: from the CPU)
+                         [p.padded_shard.reshape(-1).view(torch.uint8) for p in params])
     all_gather(gathered.view(-1), row, mesh.shard_group, mesh.shard_size, async_op=False)
-    return gathered, [(p, a, a + n) for p, a, n in zip(part.params, starts, sizes)]
+    return gathered, [(p, a, a + n) for p, a, n in zip(params, starts, sizes)]
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:

@@ -185,10 +185,13 @@ class ShardedParam:
         """The whole parameter (its global shape) from every rank's padded shard, rank after
         rank in `rows`; tensor-parallel, gathered over its tensor-parallel mesh too."""
         layout = self.layout
-        flat = torch.empty(layout.shard_size * layout.padded_shard_numel, dtype=rows.dtype,
-                           device=rows.device)
-        target = layout.rank_rows(flat)
-        target.copy_(rows.reshape(target.shape))
+        if layout.dim == 0 and rows.is_contiguous():  # the parameter, then padding: a view
+            flat = rows.reshape(-1)
+        else:
+            flat = torch.empty(layout.shard_size * layout.padded_shard_numel, dtype=rows.dtype,
+                               device=rows.device)
+            target = layout.rank_rows(flat)
+            target.copy_(rows.reshape(target.shape))
         whole = flat[: layout.numel].view(layout.shape)
         return whole if self._tp is None else self._tp.as_dtensor(whole).full_tensor()
 

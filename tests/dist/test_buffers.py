@@ -57,7 +57,7 @@ class Sampler:
         for kind, nbytes in self.held().items():
             self.peak[kind] = max(self.peak[kind], nbytes)
 
-    begin = end = backward_began = sample
+    begin = end = backward_began = backward_done = sample
 
 
 def storages(tensors: Iterator[object]) -> dict[int, int]:

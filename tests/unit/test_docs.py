@@ -15,6 +15,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "fsdp_compose"
 
@@ -37,6 +39,8 @@ def test_design_module_map_is_generated_from_the_package():
     assert sorted(tool.ORDER) == folders
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the trace names functions by "
+                    "code.co_qualname (Python 3.11); the newest Python's CI leg checks it")
 def test_design_step_path_is_the_traced_step_and_stays_within_ten_files():
     # A process of its own: the trace initialises a (fake) process group.
     run = subprocess.run(
