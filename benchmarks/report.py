@@ -28,6 +28,7 @@ from report_optimizer import optimizer_section
 from report_overhead import overhead_section
 from report_scale import scale_section
 from report_step import plot_step, step_section
+from report_weights import weights_section
 
 BENCHMARKS = {  # name: the command that writes its JSON
     "step": "torchrun --nproc_per_node=2 benchmarks/step.py",
@@ -35,6 +36,7 @@ BENCHMARKS = {  # name: the command that writes its JSON
     "scale": "python benchmarks/scale.py",
     "full_state_dict": "torchrun --nproc_per_node=2 benchmarks/full_state_dict.py",
     "optimizer": "python benchmarks/optimizer.py",
+    "weights": "torchrun --nproc_per_node=2 benchmarks/weights.py",
 }
 
 HEADER = """\
@@ -53,6 +55,7 @@ python benchmarks/overhead.py --backend gloo     # overhead.json, one gloo rank
 python benchmarks/scale.py                       # scale.json
 torchrun --nproc_per_node=2 benchmarks/full_state_dict.py   # full_state_dict.json
 python benchmarks/optimizer.py                   # optimizer.json
+torchrun --nproc_per_node=2 benchmarks/weights.py   # weights.json
 python benchmarks/report.py                      # docs/performance.md and performance.png
 ```
 {missing}"""
@@ -106,6 +109,8 @@ def render(found: dict, missing: list[str], results: Path, figure: str | None) -
         sections.append(optimizer_section(found["optimizer"]))
     if "full_state_dict" in found:
         sections.append(full_state_dict_section(found["full_state_dict"]))
+    if "weights" in found:
+        sections.append(weights_section(found["weights"]))
     # Each section a paragraph of its own: one ending in prose would join the next heading.
     return reflow("\n".join(s.rstrip("\n") + "\n" for s in sections)).rstrip() + "\n"
 
