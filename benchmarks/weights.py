@@ -29,7 +29,9 @@ from provenance import provenance
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, set_model_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
 )
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -254,6 +254,16 @@ def synthetic_optimizer() -> dict:
         "dim 256": {"none": {"foreach": steps, "fused": {**steps, "FSDP2": 1.9}}}}}
 
 
+def synthetic_weights() -> dict:
+    config = {**synthetic_full_state_dict()["config"], "world": 2}
+    way = {"ms": 10.0, "collectives": 16, "peak MiB": 4.0}
+    ways = {name: way for name in ("out: full_tensor() loop", "out: DCP get_model_state_dict",
+                                   "in: DCP set_model_state_dict")}
+    return {"config": config, "results": {model: {
+        **ways, "out: iter_full_state_dict": {**way, "ms": 2.5, "collectives": 4},
+        "in: load_full_state_dict(pairs)": {**way, "collectives": 2}} for model in ("many small", "few large")}}
+
+
 def write_results(folder: Path, **results: dict) -> Path:
     folder.mkdir()
     for name, result in results.items():
@@ -264,9 +274,12 @@ def write_results(folder: Path, **results: dict) -> Path:
 def test_report_puts_the_results_figures_on_the_page(tmp_path, capsys):
     results = write_results(tmp_path / "results", step=synthetic_step(), overhead=synthetic_overhead(),
                             scale=synthetic_scale(), full_state_dict=synthetic_full_state_dict(),
-                            optimizer=synthetic_optimizer())
+                            optimizer=synthetic_optimizer(), weights=synthetic_weights())
     page = report_page(results, tmp_path / "docs")
     assert "missing" not in capsys.readouterr().out
+    # Weights out and in: each way's figures, the ratio to the loop said.
+    assert "| many small | out: iter_full_state_dict | 2.5 | 0.25 | 4 | 4.00 MiB |" in page
+    assert "one gather per unit takes 0.25 × the loop's time" in page
     # The optimizer step: by policy and AdamW variant, and the ratios said.
     for said in ("| 64 | none | foreach | 2.00 | 2.10 | 1.00 | 2.00 | 0.95 |",
                  "8 blocks (dim 64 and 256, 12 parameters",
