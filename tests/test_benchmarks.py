@@ -355,3 +355,14 @@ def test_report_leaves_out_what_is_missing(tmp_path, capsys, monkeypatch):
     assert "## Training step" in page and "## Scale" in page and "## CPU time per unit" not in page
     assert "| fsdp_compose | 183.2 | **0.85** | 1.78 | 46,772 KiB | 0.91 |" in page
     assert "](performance.png)" not in page and not (tmp_path / "docs" / "performance.png").exists()
+
+
+def test_weights_benchmark_counts_one_gather_per_unit_against_one_per_tensor(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "weights.py"), "--fake", "4",
+                    "--rounds", "1", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    small = json.loads((tmp_path / "weights_fake.json").read_text())["results"]["many small"]
+    assert small["out: iter_full_state_dict"]["collectives"] == 64  # a unit per block
+    # 4 tensors per block, each full_tensor() dispatching two collective ops here
+    assert small["out: full_tensor() loop"]["collectives"] == 4 * 64 * 2
+    assert small["in: DCP set_model_state_dict"]["peak MiB"] >= small["in: load_full_state_dict(pairs)"]["peak MiB"]
