@@ -12,7 +12,6 @@ import torch
 from ..comm.collectives import CustomComm
 from ..schedule.iteration import UnitState
 from ..unit.codec import AllGatherCodec
-from ..unit.unit import Unit
 
 
 class CommSetters:
@@ -77,25 +76,26 @@ class CommSetters:
     def set_custom_all_gather(self, comm: CustomComm) -> None:
         """Gather this unit with `comm(output, input, group, async_op=False)` -> Work | None;
         `comm.allocate(size, *, dtype, device)`, if any, allocates the output (torch's API)."""
-        unit = _one_mesh(self, "set_custom_all_gather")
+        unit = self._state().unit  # (with several meshes, called per mesh with its group)
         unit.settings.custom_all_gather = comm
         unit.shards_replaced()  # at one rank too, the gather runs through `comm`: see Layout
 
     def set_custom_reduce_scatter(self, comm: CustomComm) -> None:
         """Reduce this unit's gradients with `comm(output, input, group, op, async_op=False)`;
         `comm.allocate`, if any, allocates input and output (torch's API)."""
-        _one_mesh(self, "set_custom_reduce_scatter").settings.custom_reduce_scatter = comm
+        self._state().unit.settings.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call `hook(reduced)` on this unit's reduced gradients before the final division, to
-        modify them in place (e.g. all-reduce across another dim). On an accelerator it runs on
+        modify them in place (e.g. all-reduce across another dim); with parameters on several
+        meshes (shard_placement_fn's), once per mesh with its reduced gradients (torch refuses). On an accelerator it runs on
         the reduce-scatter stream, or on `stream`, ordered both ways with it, as torch's."""
         if stream is not None and not callable(getattr(stream, "wait_stream", None)):
             raise TypeError(
                 f"{type(self).__name__}.set_all_reduce_hook: stream must be a torch.Stream "
                 f"or None, got {type(stream).__name__}."
             )
-        settings = _one_mesh(self, "set_all_reduce_hook").settings
+        settings = self._state().unit.settings
         settings.all_reduce_hook, settings.all_reduce_hook_stream = hook, stream
 
     def set_all_gather_codec(self, codec: AllGatherCodec | None, params: list[str] | None = None) -> None:
@@ -123,17 +123,6 @@ class CommSetters:
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         _not_yet(self, "symmetric-memory communication buffers (CUDA)")
-
-
-def _one_mesh(module: CommSetters, setter: str) -> Unit:
-    """The module's unit, when on one mesh (as torch, with shard_placement_fn's meshes)."""
-    unit = module._state().unit
-    if len(unit.parts) > 1:
-        raise ValueError(
-            f"{type(module).__name__}.{setter} is not supported with parameters on several meshes (from "
-            "per-param mesh via shard_placement_fn); set it on a unit whose parameters share one mesh."
-        )
-    return unit
 
 
 def _not_yet(owner: object, what: str) -> NoReturn:

@@ -282,3 +282,45 @@ def test_with_mixed_dtypes_in_the_unit(ranks):
     """Weights on dim 1 arrive from the byte all-gather into their strided targets."""
     for vs_reference, vs_torch in ranks.run(check_mixed_dtypes):
         assert vs_torch == 0.0 and vs_reference < 1e-5
+
+
+def check_an_all_reduce_hook_on_a_unit_of_two_meshes() -> dict[str, object]:
+    """torchft's pattern with MoE: set_all_reduce_hook on units whose parameters sit on two
+    meshes. The hook runs once per mesh with that mesh's reduced gradients; here it triples
+    them in place (exact), so each block gradient is three times the unhooked model's."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        HSDPMeshInfo, ShardPlacementResult,
+    )
+
+    hsdp = make_mesh((2, 2))
+    info = HSDPMeshInfo(hsdp, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    def experts_apart(param: nn.Parameter) -> object:
+        return ShardPlacementResult(Shard(0), info) if param.shape == (36, 12) else None
+
+    _, hooked, plain = three_models(Transformer, shard_placement_fn=experts_apart,
+                                    shard_fns=(fully_shard, fully_shard))
+    calls: list[int] = []
+
+    def hook(reduced: torch.Tensor) -> None:
+        calls.append(reduced.numel())
+        reduced.mul_(3.0)  # an exact change, checked against the unhooked model below
+
+    for block in hooked.blocks:
+        block.set_all_reduce_hook(hook)
+    batch = token_batch(0, 8).chunk(dist.get_world_size())[dist.get_rank()]
+    for model in (hooked, plain):
+        lm_loss(model, batch).backward()
+    grads = max(float((full(a.grad) - 3 * full(b.grad)).abs().max())
+                for (n, a), b in zip(hooked.named_parameters(), plain.parameters()) if n.startswith("blocks."))
+    others = max(float((full(a.grad) - full(b.grad)).abs().max())
+                 for (n, a), b in zip(hooked.named_parameters(), plain.parameters()) if not n.startswith("blocks."))
+    return {"calls": calls, "blocks": grads, "others": others}
+
+
+@needs_shard_placement_result
+def test_an_all_reduce_hook_runs_once_per_mesh_of_its_unit(ranks):
+    for result in ranks.run(check_an_all_reduce_hook_on_a_unit_of_two_meshes, world_size=4):
+        # Two blocks, two meshes each: four calls, of two sizes (each mesh's shards).
+        assert len(result["calls"]) == 4 and len(set(result["calls"])) == 2 and result["blocks"] == 0.0 and result["others"] == 0.0, result
