@@ -2,9 +2,9 @@
 one all-gather per mesh (in the parameters' own dtypes, as bytes: exact values, whatever the
 unit sends in training; a unit larger than its largest tensor or 4 MiB, in pieces of that
 size) and hands the tensors out one at a time, so a rank holds its shards, one gather's bytes
-and the tensor it hands out (a lone large one: a view of its gathered rows). For sending weights to an inference
-engine, or to disk (save_full_state_dict). And back in: `load_whole_items` takes such tensors
-from any source, each rank keeping its part as they arrive."""
+and the tensor it hands out (a lone large one: a view of its gathered rows). For sending
+weights to an inference engine, or to disk (save_full_state_dict). And back in:
+`load_whole_items` takes such tensors from any source, each rank keeping its part."""
 
 from __future__ import annotations
 
@@ -44,14 +44,16 @@ def iter_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
             for name in names:
                 yield name, _cast(_whole(state[name]), dtype)
             continue
-        for chunk in _chunks(list(zip(part.params, names)), cap):
+        params = list(zip(part.params, names))
+        for p, name_group in params:  # tensor subclasses with all-gather hooks: their own gather
+            if p.extension is not None and name_group:
+                whole = p.sharded.full_tensor()  # type: ignore[attr-defined]
+                yield from ((name, _cast(whole, dtype)) for name in name_group)
+        for chunk in _chunks([(p, n) for p, n in params if p.extension is None], cap):
             gathered, offsets = _gather_bytes(part, [p for p, _ in chunk])
             for (p, start, end), (_, name_group) in zip(offsets, chunk):
-                rows = gathered[:, start:end].view(p.padded_shard.dtype)
-                whole = p.whole_from_rows(rows) if p.extension is None \
-                    else p.sharded.full_tensor()  # type: ignore[attr-defined]  # a subclass: its own gather
-                for name in name_group:
-                    yield name, _cast(whole, dtype)
+                whole = p.whole_from_rows(gathered[:, start:end].view(p.padded_shard.dtype))
+                yield from ((name, _cast(whole, dtype)) for name in name_group)
                 del whole  # (the consumer's reference alone keeps it)
             del gathered
 
