@@ -85,7 +85,7 @@ def _model(args: argparse.Namespace) -> tuple[Callable[[], nn.Module], LossFn]:
         )
 
         def make() -> nn.Module:
-            return LlamaForCausalLM(config)
+            return LlamaForCausalLM(config)  # type: ignore[no-untyped-call, unused-ignore]
 
         def loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
             return model(input_ids=batch, labels=batch).loss  # type: ignore[no-any-return]
