@@ -41,6 +41,8 @@ class Gatherer:
         self._buffer = ReusedBuffer()  # unless a custom all-gather allocates
         self._pending: _Gather | None = None
         self._post_forward: PostForwardShards | None = None
+        # This rank's row of the reused output and its pieces, for the layout they were cut for.
+        self._row: tuple[torch.Tensor, Layout, torch.Tensor, list[torch.Tensor]] | None = None
 
     def set_post_forward_mesh(self, mesh: DeviceMesh | None) -> None:
         """Reshard after forward to dim 1 of `mesh` (a smaller group), or fully if None."""
@@ -131,8 +133,11 @@ class Gatherer:
             flat = allocate(custom, (shape[0] * shape[1],), dtype, device)
             gathered = flat.view(shape)
         if copied_in is not None:  # in param_dtype (mixed precision), onto the device (offload)
-            shards = gathered[part.mesh.shard_rank]
-            torch._foreach_copy_(shards.split(sizes), copied_in, non_blocking=True)
+            if (row := self._row) is None or row[0] is not gathered or row[1] is not layout:
+                shards = gathered[part.mesh.shard_rank]
+                row = self._row = gathered, layout, shards, list(shards.split(sizes))
+            shards = row[2]
+            torch._foreach_copy_(row[3], copied_in, non_blocking=True)
         if layout.dtypes.is_complex and not encoded:  # sent as real pairs, as torch does
             flat, shards = torch.view_as_real(flat), torch.view_as_real(shards)
         try:
