@@ -21,8 +21,6 @@ from ..param.sharded_param import ShardedParam
 from ..schedule.state import state_of
 from ..unit.part import MeshPart
 
-# What a state dict entry is read from: a part's gathered parameter, or the entry itself.
-_Source = tuple[MeshPart, ShardedParam] | None
 _GATHER_BYTES = 4 * 2**20  # the least a gather may hold: a unit of small tensors goes at once
 
 
@@ -38,9 +36,9 @@ def iter_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
     # its gathered rows), or more small ones together.
     cap = max([_GATHER_BYTES] + [p.padded_shard.nbytes * p.layout.shard_size
                                  for part, _ in order if part is not None for p in part.params])
+    state = model.state_dict() if any(part is None for part, _ in order) else {}
     for part, names in order:
         if part is None:
-            state = model.state_dict()
             for name in names:
                 yield name, _cast(_whole(state[name]), dtype)
             continue
@@ -67,7 +65,7 @@ def full_state_dict_order(model: nn.Module) -> list[tuple[MeshPart | None, list[
     order: list[tuple[MeshPart | None, list[Any]]] = []
     by_part: dict[int, dict[int, list[str]]] = {}
     for name, value in model.state_dict(keep_vars=True).items():
-        source: _Source = of_param.get(id(value))
+        source = of_param.get(id(value))  # None: not a sharded parameter
         if source is None:
             if not order or order[-1][0] is not None:
                 order.append((None, []))
