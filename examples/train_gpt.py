@@ -90,7 +90,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         if rank == 0:
             print(f"resumed from {args.checkpoint} at step {first_step}", flush=True)
     for step in range(first_step, args.steps):
-        data = torch.Generator().manual_seed(step * dist.get_world_size() + rank)  # this step and rank
+        seed = step * dist.get_world_size() + rank  # one per step and rank
+        data = torch.Generator().manual_seed(seed)
         tokens = counting_batch(args.batch, args.seq, args.vocab, data).to(device)
         tracing = args.trace and step == args.steps - 1  # the last step, warmed up
         with StepTrace(model) if tracing else contextlib.nullcontext() as trace:

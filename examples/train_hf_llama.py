@@ -5,9 +5,9 @@ decoder layer by wrap policy, activation checkpointing on every layer.
     torchrun --nproc_per_node=2 examples/train_hf_llama.py --export out/      # then:
     python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('out')"
 
-Needs `pip install -c constraints.txt -e ".[hf]"`. The data is synthetic and learnable (sequences count
-upward from a random token). Rank 0 prints the loss of every step; `--export DIR` writes
-the trained weights and config as a Hugging Face checkpoint directory.
+Needs `pip install -c constraints.txt -e ".[hf]"`. The data is synthetic and learnable
+(sequences count upward from a random token). Rank 0 prints the loss of every step;
+`--export DIR` writes the trained weights and config as a Hugging Face checkpoint directory.
 """
 
 from __future__ import annotations

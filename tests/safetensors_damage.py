@@ -41,7 +41,9 @@ def damaged_files(good: Path, folder: Path) -> list[Damage]:
     header, body = split(data)
     tensors = {name: info for name, info in header.items() if name != "__metadata__"}
     by_offset = sorted((info["data_offsets"], name) for name, info in tensors.items())
-    (first_range, first), (_, previous), ((begin, end), last) = by_offset[0], by_offset[-2], by_offset[-1]
+    first_range, first = by_offset[0]
+    previous = by_offset[-2][1]
+    (begin, end), last = by_offset[-1]
 
     def edited(edit: Any) -> bytes:
         copy = json.loads(json.dumps(header))
@@ -61,9 +63,11 @@ def damaged_files(good: Path, folder: Path) -> list[Damage]:
             "its header describes 3 bytes more than the file holds: it was cut short"),
         "trailing bytes": (data + bytes(8), "ValueError", "its last 8 bytes belong to no tensor"),
         "shorter than the size prefix": (data[:5], "ValueError",
-            "it is 5 bytes long, shorter than the 8-byte header size that starts a safetensors file"),
+            "it is 5 bytes long, shorter than the 8-byte header size that starts a "
+            "safetensors file"),
         "header size past the end": (struct.pack("<Q", len(data)) + data[8:], "ValueError",
-            f"its header size ({len(data)} bytes) runs past the end of the file ({len(data)} bytes)"),
+            f"its header size ({len(data)} bytes) runs past the end of the file "
+            f"({len(data)} bytes)"),
         "header not JSON": (with_raw_header(data, b"not json"), "ValueError",
             "its header is not JSON (Expecting value: line 1 column 1 (char 0))"),
         "header not UTF-8": (with_raw_header(data, b'{"\xff": 1}'), "ValueError",
@@ -88,7 +92,8 @@ def damaged_files(good: Path, folder: Path) -> list[Damage]:
     for i, (name, (damaged, error, fault)) in enumerate(cases.items()):
         path = folder / f"damaged-{i}.safetensors"
         path.write_bytes(damaged)
-        damages.append(Damage(name, path, (error, f"load_full_state_dict: cannot read {path}: {fault}.")))
+        message = f"load_full_state_dict: cannot read {path}: {fault}."
+        damages.append(Damage(name, path, (error, message)))
     return damages
 
 

@@ -34,7 +34,8 @@ def nccl_group():
     assert not dist.is_initialized(), "a default process group is already initialised"
     torch.cuda.set_device(0)
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(False)
@@ -123,7 +124,8 @@ def assert_same_training(a: nn.Module, b: nn.Module, losses_a, losses_b, **toler
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         other = q.full_tensor() if hasattr(q, "full_tensor") else q
-        torch.testing.assert_close(full, other, msg=lambda m, name=name: f"{name}: {m}", **tolerance)
+        torch.testing.assert_close(
+            full, other, msg=lambda m, name=name: f"{name}: {m}", **tolerance)
 
 
 @pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])
@@ -155,7 +157,8 @@ def test_stalled_streams_change_nothing(prefetch):
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 3])
             block.set_modules_to_backward_prefetch(blocks[max(i - 2, 0) : i][::-1])
-    assert_same_training(stalled, calm, train(stalled, 3, stall=True), train(calm, 3), rtol=0, atol=0)
+    stalled_losses, calm_losses = train(stalled, 3, stall=True), train(calm, 3)
+    assert_same_training(stalled, calm, stalled_losses, calm_losses, rtol=0, atol=0)
 
 
 class PlainGather:
@@ -246,7 +249,8 @@ def test_plan_predicts_a_one_gpu_run():
     result = subprocess.run([sys.executable, "-c", PLAN_AGAINST_ONE_GPU], capture_output=True,
                             text=True, timeout=600, cwd=root)
     assert result.returncode == 0, result.stderr[-5000:]
-    (_, plain, plain_measured), (_, offload, offload_measured) = json.loads(result.stdout.splitlines()[-1])
+    rows = json.loads(result.stdout.splitlines()[-1])  # [cpu_offload, predicted, measured]
+    (_, plain, plain_measured), (_, offload, offload_measured) = rows
     assert abs(plain - plain_measured) <= 0.10 * plain_measured
     assert abs(offload - offload_measured) <= 0.10 * offload_measured
     assert offload_measured < plain_measured

@@ -116,7 +116,8 @@ def check_against_reference(
     mean_loss = our_loss.detach().clone()
     dist.all_reduce(mean_loss)
     mean_loss /= dist.get_world_size()
-    torch.testing.assert_close(mean_loss, ref_loss.detach(), msg=lambda m: f"loss: {m}", **tolerance)
+    torch.testing.assert_close(
+        mean_loss, ref_loss.detach(), msg=lambda m: f"loss: {m}", **tolerance)
     assert_close_to(ours, ref, grads=True, where="step 0", **tolerance)
 
 

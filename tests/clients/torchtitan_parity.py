@@ -17,7 +17,8 @@ Two roles:
 
     torchrun --standalone --nproc_per_node 2 tests/clients/torchtitan_parity.py \
         --model deepseek_v3 --backend full_dtensor --ep 1 --impl compose --out /tmp/c.json
-    torchrun --standalone --nproc_per_node 2 -m fsdp_compose.run tests/clients/torchtitan_parity.py \
+    torchrun --standalone --nproc_per_node 2 -m fsdp_compose.run \
+        tests/clients/torchtitan_parity.py \
         --model deepseek_v3 --backend full_dtensor --ep 1 --impl launcher --out /tmp/l.json
 
 * driver, plain python: runs the worker with torch's fully_shard and then with each
@@ -160,7 +161,8 @@ class _CpuDevice:
         return "cpu"
 
     def get_device_properties(self, device: Any = None) -> Any:
-        return types.SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        page = os.sysconf("SC_PAGE_SIZE")
+        return types.SimpleNamespace(total_memory=page * os.sysconf("SC_PHYS_PAGES"))
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
         return {}
@@ -226,7 +228,8 @@ def _math_flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any = None, block
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale
     if block_mask is not None:
         mask_batch, mask_heads = block_mask.kv_num_blocks.shape[:2]
-        mask = create_mask(block_mask.mask_mod, mask_batch, mask_heads, q_len, kv_len, device=q.device)
+        mask = create_mask(block_mask.mask_mod, mask_batch, mask_heads, q_len, kv_len,
+                           device=q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = (torch.exp(scores - lse.unsqueeze(-1)) @ v.float()).to(q.dtype)
@@ -299,7 +302,8 @@ def _synthetic_data_classes(vocab: int, seed: int) -> tuple[type, type]:
 
         def __iter__(self) -> Any:
             while True:
-                g = torch.Generator().manual_seed(seed * 1_000_003 + self.step * 1009 + self.dp_rank)
+                g = torch.Generator().manual_seed(
+                    seed * 1_000_003 + self.step * 1009 + self.dp_rank)
                 self.step += 1
                 tokens = torch.randint(0, self.vocab, (self.batch, self.seq_len + 1), generator=g)
                 positions = torch.arange(self.seq_len).expand(self.batch, -1).contiguous()
@@ -367,7 +371,8 @@ def _param_checksums(model: Any) -> dict[str, dict[str, Any]]:
 
     out = {}
     for name, param in model.named_parameters():
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+        sharded = isinstance(param, DTensor)
+        full = param.full_tensor() if sharded else param
         full = full.detach().cpu().contiguous()
         out[name] = {
             "shape": list(full.shape),
@@ -375,11 +380,11 @@ def _param_checksums(model: Any) -> dict[str, dict[str, Any]]:
             "sum": float(full.double().sum()),
             "abs_sum": float(full.double().abs().sum()),
             "sha256": hashlib.sha256(full.view(torch.uint8).numpy().tobytes()).hexdigest(),
-            "dtensor": isinstance(param, DTensor),
+            "dtensor": sharded,
             # the sharded parameter's DTensor spec, which checkpoints and optimizers see
-            "placements": [str(p) for p in param.placements] if isinstance(param, DTensor) else None,
-            "mesh_dims": list(param.device_mesh.mesh_dim_names or ()) if isinstance(param, DTensor) else None,
-            "local_shape": list(param.to_local().shape) if isinstance(param, DTensor) else list(param.shape),
+            "placements": [str(p) for p in param.placements] if sharded else None,
+            "mesh_dims": list(param.device_mesh.mesh_dim_names or ()) if sharded else None,
+            "local_shape": list((param.to_local() if sharded else param).shape),
         }
     return out
 
@@ -542,7 +547,9 @@ def worker(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- driver
 
 
-def _run(config: dict[str, Any], impl: str, args: argparse.Namespace, workdir: str) -> dict[str, Any]:
+def _run(
+    config: dict[str, Any], impl: str, args: argparse.Namespace, workdir: str
+) -> dict[str, Any]:
     tag = f"{config['model']}-{config['backend']}-w{config['world']}-ep{config['ep']}-{impl}"
     out = os.path.join(workdir, f"{tag}.json")
     dump = os.path.join(workdir, tag)
@@ -590,9 +597,9 @@ def _run(config: dict[str, Any], impl: str, args: argparse.Namespace, workdir: s
 
 def _compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     steps = min(len(a["steps"]), len(b["steps"]))
-    loss = max((abs(x["loss"] - y["loss"]) for x, y in zip(a["steps"], b["steps"])), default=float("nan"))
-    gnorm = max((abs(x["grad_norm"] - y["grad_norm"]) for x, y in zip(a["steps"], b["steps"])),
-                default=float("nan"))
+    pairs = list(zip(a["steps"], b["steps"]))
+    loss = max((abs(x["loss"] - y["loss"]) for x, y in pairs), default=float("nan"))
+    gnorm = max((abs(x["grad_norm"] - y["grad_norm"]) for x, y in pairs), default=float("nan"))
     pa, pb = a["params"], b["params"]
     names_match = list(pa) == list(pb)
     param = max((abs(pa[n]["sum"] - pb[n]["sum"]) for n in pa if n in pb), default=float("nan"))
@@ -604,7 +611,7 @@ def _compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     spec_differing = [f"{n}: {[pa[n].get(k) for k in spec]} vs {[pb[n].get(k) for k in spec]}"
                       for n in pa if n in pb and any(pa[n].get(k) != pb[n].get(k) for k in spec)]
     identical = (names_match and not differing and steps == len(a["steps"]) == len(b["steps"])
-                 and all(x == y for x, y in zip(a["steps"], b["steps"])))
+                 and all(x == y for x, y in pairs))
     return {"steps": steps, "loss_diff": loss, "grad_norm_diff": gnorm, "param_sum_diff": param,
             "param_abs_sum_diff": param_abs, "params_differing": differing,
             "names_match": names_match, "identical": identical, "spec_differing": spec_differing}
@@ -655,7 +662,8 @@ def driver(args: argparse.Namespace) -> int:
             ref["ok"], ref["error"] = False, why
         stop = False
         for impl in impls:
-            new = _run(config, impl, args, workdir) if ref.get("ok") or args.compose_anyway else None
+            run_it = ref.get("ok") or args.compose_anyway
+            new = _run(config, impl, args, workdir) if run_it else None
             if new and new.get("ok") and (why := _whose(new, impl)):
                 new["ok"], new["error"] = False, why
             row = dict(config, impl=impl, fsdp2_ok=bool(ref.get("ok")),
@@ -704,7 +712,8 @@ def driver(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true", help="run as a torchrun worker")
     p.add_argument("--model", nargs="+", default=["deepseek_v3"], choices=sorted(MODELS))
     p.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=BACKENDS)

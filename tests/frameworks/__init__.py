@@ -32,7 +32,9 @@ def torchrun(args: list[str], timeout: float = 300) -> subprocess.CompletedProce
     return result
 
 
-def run_script(launcher: list[str], script: list[str], precision: str, steps: int, out_dir: Path) -> dict:
+def run_script(
+    launcher: list[str], script: list[str], precision: str, steps: int, out_dir: Path
+) -> dict:
     """Train with a framework script under torchrun (`launcher` in front of it: a shim, the
     launcher, or both), saving at step 2, and read back what it recorded (record.py)."""
     out = out_dir.with_suffix(".json")

@@ -24,7 +24,10 @@ from tests.frameworks import assert_whose, run_script
 pytest.importorskip("lightning")
 
 SCRIPT = str(Path(__file__).with_name("lightning_script.py"))
-LAUNCHERS = {"torch": ["-m", "tests.frameworks.cpu_shim"], "fsdp_compose": ["-m", "fsdp_compose.run"]}
+LAUNCHERS = {
+    "torch": ["-m", "tests.frameworks.cpu_shim"],
+    "fsdp_compose": ["-m", "fsdp_compose.run"],
+}
 STEPS = 4
 
 

@@ -47,7 +47,8 @@ def test_metadata_pickled_by_any_python_loads(tmp_path, saved_by):
         metadata = tmp_path / "ckpt" / ".metadata"
         # Protocol 2 writes each class as text ("c<module>\n<name>\n"), without frames.
         data = pickle.dumps(pickle.loads(metadata.read_bytes()), protocol=2)
-        path_class = [n for n in (b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n") if n in data]
+        spellings = (b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n")
+        path_class = [n for n in spellings if n in data]
         assert path_class, "the metadata pickles no path"
         metadata.write_bytes(data.replace(path_class[0], b"c%s\nPosixPath\n" % saved_by.encode()))
         fresh = nn.Linear(3, 2)

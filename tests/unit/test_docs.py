@@ -344,7 +344,8 @@ def unknown_names(index, text, folder=ROOT):
 def command_unknowns(index, commands):
     """The scripts of ours and `-m fsdp_compose...` modules that `commands` run and that do
     not exist."""
-    scripts = [w for w in re.findall(r"[\w.-]+/[\w./-]+\.py\b", commands) if not (ROOT / w).exists()]
+    run = re.findall(r"[\w.-]+/[\w./-]+\.py\b", commands)
+    scripts = [w for w in run if not (ROOT / w).exists()]
     modules = [m for m in re.findall(r"-m (fsdp_compose\S*)", commands)
                if m.removeprefix("fsdp_compose.") not in index.modules]
     return scripts + modules

@@ -29,14 +29,16 @@ def test_headers_of_what_safetensors_writes_are_read(tmp_path):
         "mask": torch.tensor([True, False, True]),
         "fp8": torch.randn(9).to(torch.float8_e4m3fn),
     }
-    save_file(tensors, tmp_path / "written.safetensors", metadata={"format": "pt"})
-    data = (tmp_path / "written.safetensors").read_bytes()
-    saved = read_headers(tmp_path / "written.safetensors")
+    written = tmp_path / "written.safetensors"
+    save_file(tensors, written, metadata={"format": "pt"})
+    data = written.read_bytes()
+    saved = read_headers(written)
     assert saved.keys() == tensors.keys()
     for name, tensor in tensors.items():
         entry = saved[name]
-        assert (entry.shape, entry.file) == (list(tensor.shape), str(tmp_path / "written.safetensors"))
-        assert data[entry.start : entry.end] == tensor.reshape(-1).view(torch.uint8).numpy().tobytes(), name
+        assert (entry.shape, entry.file) == (list(tensor.shape), str(written))
+        raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert data[entry.start : entry.end] == raw, name
 
 
 def test_damaged_files_refused_as_safetensors_refuses_them(tmp_path):

@@ -35,8 +35,9 @@ def test_sizes_parse_decimal_and_binary_units_and_refuse_a_bare_unit_letter():
     for typo in ("4 MB/s", "1.2.3GiB", "MiB", "-1GiB", "64iB"):
         with pytest.raises(ValueError, match=re.escape(f"not a size: {typo!r}")):
             parse_size(typo)
+    advice = "say 64MiB (2^20 bytes) or 64MB (10^6 bytes)"
     for ambiguous in ("64M", "64m", "64Mi"):
-        with pytest.raises(ValueError, match=re.escape("say 64MiB (2^20 bytes) or 64MB (10^6 bytes)")):
+        with pytest.raises(ValueError, match=re.escape(advice)):
             parse_size(ambiguous)
     with pytest.raises(ValueError, match=re.escape("say 5KiB (2^10 bytes) or 5kB (10^3 bytes)")):
         parse_size("5k")
@@ -61,11 +62,12 @@ def test_ranks_the_example_gpt(capsys):
                for _, least, _, _, sent, verdict in rows)
     # Checkpointing in words, as checkpoint_blocks(every=n) does it (not "checkpoint every -").
     setups = [setup for setup, *_ in rows]
-    assert [sum(bool(re.fullmatch(f"\\d block\\(s\\)/unit, reshard_after_forward=(True|False), {words}", s))
-                for s in setups) for words in (
+    head = r"\d block\(s\)/unit, reshard_after_forward=(True|False), "
+    assert [sum(bool(re.fullmatch(head + words, s)) for s in setups) for words in (
         "no activation checkpointing", "activation checkpointing of every block",
         "activation checkpointing of 1 block in 2")] == [4, 4, 4]
-    assert "realised by:\nfor block in model.blocks:" in out and out.rstrip().endswith("fully_shard(model)")
+    assert "realised by:\nfor block in model.blocks:" in out
+    assert out.rstrip().endswith("fully_shard(model)")
 
 
 def test_says_when_nothing_fits_nearest_miss_first_and_by_how_much(capsys):
@@ -80,13 +82,14 @@ def test_says_when_nothing_fits_nearest_miss_first_and_by_how_much(capsys):
     bounded = [least for least, _, _ in rows]
     assert 0 < sum(bounded) < 12 and bounded == sorted(bounded), out  # the simulated misses first
     peaks = [peak for _, peak, _ in rows]
-    simulated = peaks[:bounded.index(True)]
-    assert simulated == sorted(simulated) and peaks[len(simulated):] == sorted(peaks[len(simulated):])
+    simulated, not_simulated = peaks[:bounded.index(True)], peaks[bounded.index(True):]
+    assert simulated == sorted(simulated) and not_simulated == sorted(not_simulated)
     # Each says by how much it misses: "at least" where only a lower bound is known.
     for least, peak, verdict in rows:  # each printed to 0.05 MiB
         over = re.fullmatch(r"does not fit: (at least )?([\d.]+) (\w+) over", verdict)
         assert over is not None and bool(over[1]) == least, verdict
-        assert abs(peak - float(over[2]) * _BYTES[over[3]] - 2 * 2**20) <= 0.1 * 2**20, (peak, verdict)
+        missed_by = float(over[2]) * _BYTES[over[3]]
+        assert abs(peak - missed_by - 2 * 2**20) <= 0.1 * 2**20, (peak, verdict)
     assert "no setup fits the budget (nearest first above)" in out
 
 
@@ -109,10 +112,13 @@ def test_ranking_fits_by_cost_then_simulated_misses_nearest_first_then_ruled_out
 
 
 def test_the_table_aligns_its_columns_and_says_what_was_not_simulated():
-    lines = table([_plan(90, True), _plan(2**20, False), _plan(3 * 2**20, False, simulated=False)]).splitlines()
-    assert lines[0].split() == ["setup", "peak", "per", "rank", "communicated", "per", "step", "verdict"]
+    plans = [_plan(90, True), _plan(2**20, False), _plan(3 * 2**20, False, simulated=False)]
+    lines = table(plans).splitlines()
+    assert lines[0].split() == [
+        "setup", "peak", "per", "rank", "communicated", "per", "step", "verdict"]
     starts = {tuple(m.start() for m in re.finditer(r"(?<=   )\S", line)) for line in lines}
-    assert len(starts) == 1 and len(next(iter(starts))) == 3, lines  # each column starts as its header
+    # Each column starts where its header does.
+    assert len(starts) == 1 and len(next(iter(starts))) == 3, lines
     assert [re.split(r" {3,}", line.strip())[1:] for line in lines[1:]] == [
         ["90.0 B", "1000.0 B", "fits"],
         ["1.0 MiB", "1000.0 B", "does not fit: 1023.9 KiB over"],
@@ -133,8 +139,8 @@ def test_the_package_name_still_plans_after_the_module_is_imported():
     from fsdp_compose import Setup
     from tests.models import Transformer, lm_loss, token_batch
 
-    plans = fsdp_compose.plan(lambda: Transformer(depth=2), world_size=2, sample_input=token_batch(0, 2),
-                              loss_fn=lm_loss, setups=[Setup()])
+    plans = fsdp_compose.plan(lambda: Transformer(depth=2), world_size=2,
+                              sample_input=token_batch(0, 2), loss_fn=lm_loss, setups=[Setup()])
     assert len(plans) == 1 and plans[0].peak_bytes > 0 and plans[0].bytes_per_step > 0
 
 
@@ -151,7 +157,8 @@ def test_a_budget_may_be_a_size_as_on_the_command_line():
                 loss_fn=lm_loss, setups=[Setup()], memory_budget="1GB")
     assert p.memory_budget == 10**9 and p.fits and p.simulated and p.bytes_per_step
     assert str(p) == (f"1 block(s)/unit, reshard_after_forward=True, no activation checkpointing | "
-                      f"peak {size(p.peak_bytes)} | {size(p.bytes_per_step)}/step communicated | fits")
+                      f"peak {size(p.peak_bytes)} | "
+                      f"{size(p.bytes_per_step)}/step communicated | fits")
 
 
 def test_a_budget_that_is_not_a_size_is_refused_before_simulating():

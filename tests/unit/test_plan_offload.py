@@ -21,7 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsdp_compose import Setup, plan
 from tests.models import Transformer, lm_loss, token_batch
 
-OFFLOADED = [Setup(cpu_offload=True), Setup(blocks_per_unit=2, reshard_after_forward=False, cpu_offload=True)]
+OFFLOADED = [
+    Setup(cpu_offload=True),
+    Setup(blocks_per_unit=2, reshard_after_forward=False, cpu_offload=True),
+]
 
 
 class _CopiesOffMetaReadZeros(TorchDispatchMode):
@@ -33,7 +36,8 @@ class _CopiesOffMetaReadZeros(TorchDispatchMode):
         if func is torch.ops.aten._to_copy.default and args[0].is_meta:
             to = kwargs.get("device") or args[0].device
             if to.type != "meta":
-                return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=to)
+                dtype = kwargs.get("dtype") or args[0].dtype
+                return torch.zeros(args[0].shape, dtype=dtype, device=to)
         if func is torch.ops.aten.copy_.default and args[1].is_meta and not args[0].is_meta:
             return args[0]
         return func(*args, **kwargs)
@@ -78,4 +82,5 @@ def test_offload_on_an_accelerator_keeps_shards_grads_and_optimizer_state_off_it
         assert device_bytes == cpu_bytes, setup  # offload changes where, not what, is sent
         # The CPU's peak holds AdamW's two moments of this rank's shards; with offload they
         # stay in CPU memory, so the accelerator's peak is lower by at least that.
-        assert device_peak <= cpu_peak - 2 * shard_bytes, (setup, device_peak, cpu_peak, shard_bytes)
+        assert device_peak <= cpu_peak - 2 * shard_bytes, (
+            setup, device_peak, cpu_peak, shard_bytes)

@@ -127,7 +127,8 @@ def test_launcher_runs_a_script_or_module_as_python_would(tmp_path):
     ran = launch(str(folder / "prog.py"), "a", "--b", cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
     assert f"argv ['a', '--b'] path0 {folder} ours fsdp_compose.api.fully_shard" in ran.stdout
-    assert ran.stderr.count("fsdp_compose.run: torch.distributed.fsdp.fully_shard is fsdp_compose's") == 1
+    said = "fsdp_compose.run: torch.distributed.fsdp.fully_shard is fsdp_compose's"
+    assert ran.stderr.count(said) == 1
     as_module = launch("-m", "prog", "x", cwd=folder)
     assert "argv ['x']" in as_module.stdout and "ours fsdp_compose" in as_module.stdout
     assert launch(str(folder / "prog.py"), "exit", cwd=tmp_path).returncode == 3
@@ -195,19 +196,21 @@ def test_the_launchers_switch_reaches_every_process_it_starts(tmp_path):
     fsdp_compose's fully_shard; a sitecustomize of the user's own still runs."""
     (tmp_path / "prog.py").write_text(SPAWNING)
     (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text("")
+    users_own = tmp_path / "site" / "sitecustomize.py"
+    users_own.write_text("")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     out = subprocess.run([sys.executable, "-m", "fsdp_compose.run", str(tmp_path / "prog.py")],
                          capture_output=True, text=True, env=env, timeout=300, check=True).stdout
     ours = "fsdp_compose.api.fully_shard fsdp_compose.api.fsdp_module"
     assert f"child 0 {ours}" in out and f"child 1 {ours}" in out, out
-    assert f"subprocess fsdp_compose.api.fully_shard {tmp_path / 'site' / 'sitecustomize.py'}" in out
+    assert f"subprocess fsdp_compose.api.fully_shard {users_own}" in out
 
 
 def test_every_public_fsdp2_name_torch_exports_is_switched():
     public = set(importlib.import_module("torch.distributed.fsdp._fully_shard").__all__)
     with replace_torch_fsdp():
-        switched = {name for name in public if getattr(torch_fsdp, name) is getattr(fsdp_compose, name)}
+        switched = {
+            name for name in public if getattr(torch_fsdp, name) is getattr(fsdp_compose, name)}
         state = torch_fsdp.fully_shard.state
     assert public and switched == public, public - switched
     assert state is fsdp_compose.fully_shard.state  # torch's contract: the module's state
