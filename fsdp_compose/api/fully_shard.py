@@ -18,7 +18,8 @@ from ..schedule.iteration import UnitState
 from ..schedule.state import attach, state_of
 from ..schedule.tied import OWNER_ATTR, Borrowed, check_borrowable, lend, owner_of
 from ..schedule.unmanaged import watch
-from ..unit.part import MeshPart, UnitSettings
+from ..unit.part import MeshPart
+from ..unit.settings import UnitSettings
 from ..unit.unit import Unit
 from .checks import (
     SHARDED_MARK,
@@ -30,9 +31,10 @@ from .checks import (
     collect_params,
     unit_modules,
 )
-from .fsdp_module import FSDPModule, annotated_states
+from .fsdp_module import FSDPModule
 from .init import move_buffers, sync_from_first_rank
 from .placement import ShardPlacementFn, shard_placements
+from .setters import annotated_states
 from .state_dict import install_state_dict_hooks
 
 _MANAGED_MARKERS = {"_is_fsdp_managed_module": True, "_fsdp_use_orig_params": True}

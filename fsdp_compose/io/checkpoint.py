@@ -25,7 +25,7 @@ from ..comm.collectives import barrier, is_first_rank
 from . import resume_state
 from .checkpoint_files import CHECKSUMS, MetadataCheckingReader, check_files, checksums
 from .first_rank import file_error, from_first_rank
-from .full_state_dict import mismatches, save_full_state_dict
+from .full_state_dict import mismatches
 from .resume_state import Stateful
 from .safetensors_writer import INCOMPLETE
 
@@ -192,10 +192,3 @@ def _load_failed(path: Path, failed: CheckpointException) -> str:
     return (f"load_checkpoint: reading {str(path)!r} failed ({causes}); the model and optimizer "
             "are unchanged. The checkpoint is damaged: load another one.")
 
-
-def export_safetensors(model: nn.Module, path: str | os.PathLike[str]) -> None:
-    """`save_full_state_dict` to one file `path` (kept for the callers of this earlier name)."""
-    if Path(path).suffix != ".safetensors":
-        raise ValueError(f"export_safetensors: {path} must end in .safetensors "
-                         "(or call save_full_state_dict).")
-    save_full_state_dict(model, path)

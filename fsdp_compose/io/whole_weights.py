@@ -42,12 +42,14 @@ def iter_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
             for name in names:
                 yield name, _cast(_whole(state[name]), dtype)
             continue
-        params = list(zip(part.params, names))
-        for p, name_group in params:  # tensor subclasses with all-gather hooks: their own gather
-            if p.extension is not None and name_group:
+        # Shards with all-gather hooks of their own (tensor subclasses): their own gather.
+        hooked = [(p, n) for p, n in zip(part.params, names) if p.extension and not p.extension.hooks]
+        for p, name_group in hooked:
+            if name_group:
                 whole = p.sharded.full_tensor()  # type: ignore[attr-defined]
                 yield from ((name, _cast(whole, dtype)) for name in name_group)
-        for chunk in _chunks([(p, n) for p, n in params if p.extension is None], cap):
+        plain = [(p, n) for p, n in zip(part.params, names) if (p, n) not in hooked]
+        for chunk in _chunks(plain, cap):
             gathered, offsets = _gather_bytes(part, [p for p, _ in chunk])
             for (p, start, end), (_, name_group) in zip(offsets, chunk):
                 whole = p.whole_from_rows(gathered[:, start:end].view(p.padded_shard.dtype))

@@ -1,6 +1,7 @@
-"""torch's fully_shard all-gather extension: a parameter whose local shard defines
-`fsdp_pre_all_gather` and `fsdp_post_all_gather` (a tensor subclass, e.g. torchao's, or hooks
-attached to one shard) chooses what its unit gathers and builds its unsharded parameter."""
+"""torch's fully_shard all-gather extension, the one way to change what a gather sends: a
+parameter whose local shard defines `fsdp_pre_all_gather` and `fsdp_post_all_gather` (a tensor
+subclass, e.g. torchao's, or hooks attached to one shard), or that has a codec (param/codec.py,
+whose CodecHooks define both), chooses what its unit gathers and builds its unsharded parameter."""
 
 from __future__ import annotations
 
@@ -51,8 +52,10 @@ class GatherExtension:
 
     def __init__(
         self, fqn: str, module: nn.Module, mesh: DeviceMesh, shape: torch.Size, mp_policy: Any,
+        hooks: Any = None,
     ) -> None:
         self._fqn = fqn
+        self.hooks = hooks  # what defines both hooks; None: the local shard, given each time
         self._shape = shape
         self._stride = torch.empty(shape, device="meta").stride()
         # The pre hook's arguments: the first (the 1-D shard mesh) or all five.
@@ -67,7 +70,7 @@ class GatherExtension:
 
     def encode(self, local: torch.Tensor) -> torch.Tensor:
         """What this rank sends: the pre hook's inputs as bytes, each padded to 8 bytes."""
-        pre = getattr(local, PRE)
+        pre = getattr(local if self.hooks is None else self.hooks, PRE)
         function = getattr(pre, "__func__", pre)  # a bound method is made anew at each read
         if function is not self._pre_function:  # count its parameters once, not every gather
             if (count := len(inspect.signature(pre).parameters)) not in (1, 5):
@@ -102,7 +105,8 @@ class GatherExtension:
             output.view(ranks, -1).copy_(rows[:, offset : offset + nbytes].view(dtype))
             offset += nbytes + -nbytes % 8
             views.append(output.view(-1, *shape[1:]))
-        post, metadata, self._metadata = getattr(local, POST), self._metadata, None
+        post = getattr(local if self.hooks is None else self.hooks, POST)
+        metadata, self._metadata = self._metadata, None
         if self.unsharded is not None:
             for inner in self._inner:
                 _allocate(inner)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..param.sharded_param import ShardedParam
-from ..unit.part import UnitSettings
+from ..unit.settings import UnitSettings
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]  # a forward's args and kwargs
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..param.policies import cast_floating
+from ..unit.settings import UnitSettings
 from .agreement import check_ranks_agree
 from .backward_done import Inputs
 from .iteration import Root, UnitState
@@ -67,8 +68,8 @@ def pre_forward(state: UnitState, module: nn.Module, args: tuple[Any, ...], kwar
         state.refuse(FORWARD)
     state.phase = FORWARD
     state.unshard()
-    if (prefetch := state.prefetch).forward or prefetch.implicit_forward:
-        for other in prefetch.in_forward(state, root.last_forward_order):
+    if (settings := state.settings).forward_prefetch or settings.implicit_forward_prefetch:
+        for other in state.prefetch.in_forward(state, root.last_forward_order):
             state.comm.prefetch(other.unit)  # overlaps this unit's compute; waited for there
             root.forward_prefetched.append(other)
     if torch.is_grad_enabled():
@@ -136,7 +137,10 @@ def make_root(state: UnitState) -> None:
     check_ranks_agree([s.unit for s in states], state.unit.mesh, problem)
     if problem is not None:  # a one-rank mesh has no gather to raise it
         raise RuntimeError(problem)
-    if changed := [s.label for s in states if s is not state and s.comm.changed_by]:
+    default = UnitSettings(None)
+    bounds = ("max_all_gathers_in_flight", "reduce_scatter_max_input_buffers")
+    if changed := [s.label for s in states[1:] if any(
+            getattr(s.settings, b) != getattr(default, b) for b in bounds)]:
         raise ValueError(
             f"fsdp_compose: the communication bounds were set on {changed}, which are not "
             f"roots: their root {state.label} runs them. Call the setter on the root."
@@ -144,11 +148,8 @@ def make_root(state: UnitState) -> None:
     root = Root(state, states)
     for s in states:
         s.root, s.initialised, s.comm = root, True, state.comm
-        if s is not state and s.post_optim_event is not None:  # set before this forward
-            state.post_optim_event, s.post_optim_event = s.post_optim_event, None
-        if s.settings.reshard_after_forward is None:
-            # The root's parameters would be freed and gathered again at once.
-            s.settings.reshard_after_forward = s is not state
+        if s is not state and (event := s.settings.post_optim_event) is not None:  # set before
+            state.settings.post_optim_event, s.settings.post_optim_event = event, None
 
 
 def _units_under(root: UnitState) -> list[UnitState]:

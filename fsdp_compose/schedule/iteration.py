@@ -21,34 +21,37 @@ from .phase import FORWARD, IDLE, POST_BACKWARD, PRE_BACKWARD, Phase
 
 class Prefetch:
     """Which units a unit starts gathering once unsharded, to overlap its compute: the lists
-    FSDPModule's setters give, else in backward the unit whose forward ended just before (the next
-    to run backward), in forward after `set_implicit_forward_prefetch` the one that followed it."""
+    its settings give, else in backward the unit whose forward ended just before (the next to
+    run backward), in forward with `implicit_forward_prefetch` the one that followed it."""
 
     def __init__(self) -> None:
-        self.forward: list[UnitState] = []  # explicit
-        self.backward: list[UnitState] | None = None  # explicit; None: implicit
-        self.implicit_forward = False
         self.forward_index = -1  # the unit's place in this iteration's forward order
         self.ended_forward_before: tuple[UnitState, ...] = ()  # set as the unit's forward ends
 
     def in_forward(self, unit: UnitState, last_order: list[UnitState]) -> list[UnitState]:
-        """The units to start gathering as `unit`'s forward begins (`last_order`: the last iteration's)."""
-        if self.forward or not self.implicit_forward:
-            return self.forward
+        """The units to start gathering as `unit`'s forward begins (`last_order`: the last
+        iteration's)."""
+        settings = unit.settings
+        if settings.forward_prefetch or not settings.implicit_forward_prefetch:
+            return settings.forward_prefetch
         i = self.forward_index + 1
         return last_order[i : i + 1] if len(last_order) > i and last_order[i - 1] is unit else []
 
+    def in_backward(self, unit: UnitState) -> list[UnitState]:
+        """The units to start gathering as `unit`'s backward begins."""
+        explicit: list[UnitState] | None = unit.settings.backward_prefetch
+        return list(self.ended_forward_before) if explicit is None else explicit
+
 
 class UnitState:
-    """One unit's phase and settings (what FSDPModule's setters change)."""
+    """One unit's phase, and its settings (what FSDPModule's setters change)."""
 
     root: Root  # set at lazy init (the first forward), when `initialised` becomes True
 
     def __init__(self, modules: list[nn.Module], unit: Unit, mp_policy: MixedPrecisionPolicy) -> None:
         self.modules = modules
         self.unit = unit
-        self.settings = unit.settings  # see UnitSettings (an int reshard_after_forward is
-        # True there plus the unit's post-forward mesh)
+        self.settings = unit.settings  # see unit/settings.py
         self.phase = IDLE
         self.initialised = False
         # Parameters tied across units (see schedule/tied.py): the units whose parameters
@@ -56,8 +59,7 @@ class UnitState:
         self.borrowed_from: list[UnitState] = []
         self.borrowed_params: list[ShardedParam] = []
         self.lends = False
-        self.comm = CommContext()  # the root's, after lazy init
-        self.post_optim_event: Any = None  # read by the root: its next forward's gathers wait
+        self.comm = CommContext(unit.settings)  # the root's, after lazy init
         self.prefetch = Prefetch()
         self.modules_to_run: set[nn.Module] = set()  # in this forward (a list unit)
         self.backward_end = BackwardEnd(
@@ -104,8 +106,8 @@ class UnitState:
             return  # a borrower may still run in this forward: see schedule/tied.py and Root.end_forward
         if not torch.is_grad_enabled():
             self.unit.reshard()  # no backward can follow a forward without grad
-        elif self.settings.reshard_after_forward:
-            self.unit.reshard(keep_post_forward=True)
+        elif (reshard := self.settings.reshard_after_forward) or (reshard is None and not self.is_root):
+            self.unit.reshard(keep_post_forward=True)  # None: True, but for the root
 
     def register_pre_backward(self, output: Any) -> None:
         if not torch.is_grad_enabled():
@@ -131,8 +133,7 @@ class UnitState:
         self.unshard(in_backward=True)
         if (observer := _observer.current) is not None:
             observer.backward_began(self)
-        prefetch = self.prefetch  # the explicit list, else the unit whose forward ended before
-        for other in prefetch.ended_forward_before if prefetch.backward is None else prefetch.backward:
+        for other in self.prefetch.in_backward(self):
             # Not one whose backward is done already (gathered again for nothing).
             if other.settings.unshard_in_backward and other.phase is not POST_BACKWARD:
                 self.comm.prefetch(other.unit)  # overlaps this unit's gradient computation
@@ -199,7 +200,8 @@ class Root:
         self.forward_root = state
         for s in self.states:  # what changed since the last iteration
             s.unit.adopt_registered()
-        event, self.state.post_optim_event = self.state.post_optim_event, None
+        settings = self.state.settings
+        event, settings.post_optim_event = settings.post_optim_event, None
         if (side := state.unit.streams) is not None:
             side.follow_compute(event)  # gathers see the optimizer's step
         elif event is not None:

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import observer as _observer
 from ..comm.collectives import ReusedBuffer, all_gather, allocate, collective_failed
-from .codec import decode_rows, encode_shards
+from .as_bytes import decode_rows, encode_shards
 from .held import GATHERED, POST_FORWARD, UNSHARDED
 from .layout import Layout
 from .part import MeshPart
@@ -24,7 +24,7 @@ class _Gather(NamedTuple):
     gathered: torch.Tensor  # (ranks gathered from, columns)
     work: Work | torch.Event | None  # wait(): gloo blocks; an event orders the compute stream
     sizes: list[int]  # each parameter's padded shard, per row (bytes if encoded)
-    encoded: bool  # uint8 rows of codec encodings; see encode_shards
+    encoded: bool  # uint8 rows: see unit/as_bytes.py
     inputs: list[torch.Tensor] | None  # the kept pieces sent, alive until waited for (comm/streams.py)
     layout: Layout  # the part's when it started: where the rows land
 
@@ -114,8 +114,8 @@ class Gatherer:
         if inputs is not None:
             shards = torch.cat(inputs)
             encoded = self._post_forward is not None and self._post_forward.as_bytes
-        elif part.settings.codecs or layout.dtypes.mixed_dtypes or layout.extended:  # see encode_shards
-            shards, sizes = encode_shards(self.params, part.settings.codecs, part.device)
+        elif layout.dtypes.mixed_dtypes or layout.extended:  # see unit/as_bytes.py
+            shards, sizes = encode_shards(self.params, part.device)
             encoded = True
         elif layout.shards is None:  # shards of several dtypes or devices
             dtype = layout.dtypes.param_dtype
@@ -160,8 +160,9 @@ class Gatherer:
         if layout is not None and layout.extended:
             raise NotImplementedError(
                 f"fsdp_compose: unit {self._part.label}: parameter {layout.extended[0].fqn!r} "
-                "has all-gather hooks (fsdp_pre_all_gather), which reshard_after_forward=<int> "
-                "cannot keep a piece of (torch's fully_shard refuses this too); pass a bool."
+                "gathers through an all-gather extension (fsdp_pre_all_gather, or a codec), "
+                "which reshard_after_forward=<int> cannot keep a piece of (torch's fully_shard "
+                "refuses this too); pass a bool."
             )
 
     def wait_for_unshard(self) -> None:
@@ -205,7 +206,7 @@ class Gatherer:
             assert self._post_forward is not None
             self._post_forward.copy_out(gathered, part.all_dim0)
         elif gather.encoded:
-            if decode_rows(gathered, gather.sizes, self.params, part.settings.codecs, targets):
+            if decode_rows(gathered, gather.sizes, self.params, targets):
                 part.registrations_changed(gather.layout)  # a hook built an unsharded parameter
         elif part.all_dim0:
             torch.split_with_sizes_copy(gathered, gather.sizes, dim=1, out=targets)

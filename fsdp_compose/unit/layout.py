@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..comm.meshes import UnitMesh, shard_mesh
+from ..param.codec import AllGatherCodec, CodecHooks
 from ..param.extension import GatherExtension, carried_problem, has_extension
 from ..param.sharded_param import ShardedParam
 
@@ -46,8 +47,8 @@ class Layout:
     storages: list[tuple[torch.UntypedStorage, int]]  # unsharded data, freed as size 0
     targets: list[torch.Tensor]  # where each parameter's gathered rows land
     registrations: list[OwnerForms]
-    extended: list[ShardedParam]  # with all-gather hooks: see param/extension.py
-    # A group of one rank (no codec, no hooks, no custom all-gather) gathers nothing. Where
+    extended: list[ShardedParam]  # with all-gather hooks or a codec: see param/extension.py
+    # A group of one rank (no extension, no custom all-gather) gathers nothing. Where
     # its shards are already what computes (dtype, device), the unsharded parameters are
     # views of them (zero_copy); else one foreach copy casts (and moves, from the CPU) each
     # padded shard into its unsharded data, flat (cast_in: those targets, then the shards).
@@ -68,12 +69,12 @@ def dtype_facts(params: list[ShardedParam]) -> DtypeFacts:
 
 def lay_out(
     params: list[ShardedParam], mesh: UnitMesh, sizes: list[int], label: str,
-    refuse_unhooked: bool, customised: bool,
+    refuse_unhooked: bool, codecs: dict[ShardedParam, AllGatherCodec], custom_gather: bool,
 ) -> Layout | None:
     """Lay `params` out over `mesh`, unsharded storages freed. None when a tensor-subclass shard
     has no all-gather hooks yet and not `refuse_unhooked` (hooks may come before the first
-    gather). `customised`: codecs or a custom all-gather, so even one rank gathers."""
-    if not _find_extensions(params, mesh, label, refuse_unhooked):
+    gather). With a `custom_gather` even one rank gathers."""
+    if not _find_extensions(params, mesh, label, refuse_unhooked, codecs):
         return None
     extended = [p for p in params if p.extension is not None]
     dtypes = dtype_facts(params)
@@ -81,7 +82,7 @@ def lay_out(
     padded = [p.padded_shard for p in params]
     same = not extended and len({(s.dtype, s.device) for s in padded}) == 1
     gather_spec = ((rows, numel), dtypes.param_dtype, device) if same else None
-    one_rank = rows == 1 and not extended and not customised
+    one_rank = rows == 1 and not extended and not custom_gather
     zero_copy = one_rank and all(
         (p.padded_shard.dtype, p.padded_shard.device) == (p.param_dtype, device) for p in params
     )
@@ -108,20 +109,30 @@ def lay_out(
 
 
 def _find_extensions(
-    params: list[ShardedParam], mesh: UnitMesh, label: str, refuse_unhooked: bool
+    params: list[ShardedParam], mesh: UnitMesh, label: str, refuse_unhooked: bool,
+    codecs: dict[ShardedParam, AllGatherCodec],
 ) -> bool:
-    """Give each parameter whose local shard has all-gather hooks a GatherExtension (kept while
-    the shard is), and no other one. Whether every tensor-subclass shard has hooks."""
+    """Give each parameter with a codec, or whose local shard has all-gather hooks, a
+    GatherExtension (kept while they are), and no other one. Whether every tensor-subclass
+    shard has hooks."""
     for p in params:
         where = f"fsdp_compose: unit {label}: parameter {p.fqn!r}"
-        if not has_extension(p.local, where):
+        old = None if p.extension is None else p.extension.hooks  # None: the shard's own
+        if (codec := codecs.get(p)) is not None:
+            same = getattr(old, "codec", None) is codec
+            hooks: CodecHooks | None = old if same else CodecHooks(codec, p, mesh.device)
+        elif has_extension(p.local, where):
+            hooks = None
+        else:
             if (problem := carried_problem(where, p.local)) is not None:
                 if refuse_unhooked:  # on every rank alike: they hold the same model
                     raise TypeError(problem)
                 return False
             p.extension = None
-        elif p.extension is None:
-            p.extension = GatherExtension(p.fqn, p.owners[0][0], shard_mesh(mesh.mesh), p.shape, p.mp_policy)
+            continue
+        if p.extension is None or hooks is not old:
+            mesh_1d = shard_mesh(mesh.mesh)
+            p.extension = GatherExtension(p.fqn, p.owners[0][0], mesh_1d, p.shape, p.mp_policy, hooks)
     return True
 
 

@@ -1,46 +1,21 @@
 """A unit's parameters on one mesh: what one all-gather and one reduce-scatter move, their
-layout, their gradient ledger; and the unit's settings, one object its parts share. Most
-units are one part; shard_placement_fn may give parameters a mesh of their own (MoE)."""
+layout, their gradient ledger. Most units are one part; shard_placement_fn may give
+parameters a mesh of their own (MoE)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
-import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm.collectives import CustomComm, has_premul_sum
+from ..comm.collectives import has_premul_sum
 from ..comm.meshes import UnitMesh
 from ..comm.streams import SideStreams, side_streams
 from ..param.sharded_param import ShardedParam
-from .codec import AllGatherCodec
 from .grad_ledger import GradLedger
 from .layout import Layout, forms_by_owner, lay_out
-
-
-@dataclasses.dataclass
-class UnitSettings:
-    """What FSDPModule's setters change, the one place each lives (read where used, never
-    copied); a change reaching further (layout, post-forward mesh, group) goes through Unit."""
-
-    reshard_after_forward: bool | None  # None: decided at lazy init (False for the root)
-    reshard_after_backward: bool = True
-    unshard_in_backward: bool = True
-    requires_gradient_sync: bool = True
-    requires_all_reduce: bool = True  # HSDP
-    reduce_scatter_unused_params: bool = False
-    gradient_divide_factor: float | None = None  # None: the data-parallel ranks
-    force_sum_reduction: bool = False
-    keep_unsharded_storage: bool = False  # e.g. CUDA graphs
-    # Run on each reduced gradient buffer before the final division, on the reduce-scatter
-    # stream or on `all_reduce_hook_stream`.
-    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-    all_reduce_hook_stream: torch.Stream | None = None
-    custom_all_gather: CustomComm | None = None
-    custom_reduce_scatter: CustomComm | None = None
-    codecs: dict[ShardedParam, AllGatherCodec] = dataclasses.field(default_factory=dict)
+from .settings import UnitSettings
 
 
 class MeshPart:
@@ -78,8 +53,8 @@ class MeshPart:
         if (problem := self.meta_problem()) is not None:
             raise RuntimeError(problem)
         self.layout = lay_out(
-            self.params, self.mesh, self.sizes, self.label, refuse_unhooked,
-            bool(self.settings.codecs) or self.settings.custom_all_gather is not None,
+            self.params, self.mesh, self.sizes, self.label, refuse_unhooked, self.settings.codecs,
+            self.settings.custom_all_gather is not None,
         )
         return self.layout
 

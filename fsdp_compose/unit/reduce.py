@@ -178,9 +178,8 @@ class Reducer:
             part, params, sizes, reduced, reduction
         ):
             return False
-        settings = part.settings
-        if (hook := settings.all_reduce_hook) is not None:
-            side, stream = part.streams, settings.all_reduce_hook_stream
+        if part.settings.all_reduce_hook is not None:
+            (hook, stream), side = part.settings.all_reduce_hook, part.streams
             with nullcontext() if side is None or stream is None else side.detour(stream):
                 hook(reduced)
         if reduction.post_divide is not None:

@@ -11,13 +11,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.meshes import separate_group
 from ..comm.streams import SideStreams
+from ..param.codec import AllGatherCodec
 from ..param.extension import PRE
 from ..param.sharded_param import ShardedParam
-from .codec import AllGatherCodec
 from .gather import Gatherer
 from .held import GRADIENT_LEDGER
-from .part import MeshPart, UnitSettings
+from .part import MeshPart
 from .reduce import Reducer
+from .settings import UnitSettings
 
 
 class Unit:
@@ -93,10 +94,12 @@ class Unit:
     def adopt_registered(self) -> None:
         """Once per iteration: a part whose parameters were replaced (ShardedParam.adopt_registered),
         frozen or unfrozen, or gained or lost all-gather hooks lays out anew."""
+        codecs = self.settings.codecs
         for part in self.parts:
             for p in part.params:
                 adopted = p.adopt_registered(part.fqn_prefix)
-                if adopted or hasattr(p.local, PRE) is (p.extension is None):  # hooks came or went
+                hooked = hasattr(p.local, PRE) or p in codecs
+                if adopted or hooked is (p.extension is None):  # hooks came or went
                     part.layout = None
 
     def meta_problem(self) -> str | None:
@@ -125,16 +128,15 @@ class Unit:
         for gatherer, mesh in zip(self.gatherers, meshes):
             gatherer.set_post_forward_mesh(mesh)
 
-    def set_codec(self, param: ShardedParam, codec: AllGatherCodec | None) -> None:
-        """Gather `param` through `codec` (None: plainly)."""
-        if codec is None:
-            self.settings.codecs.pop(param, None)
-        else:
-            self.settings.codecs[param] = codec
-        self.shards_replaced()  # a one-rank part without codecs gathers nothing: see Layout
+    def set_codecs(self, codecs: dict[ShardedParam, AllGatherCodec | None]) -> None:
+        """Gather each parameter through its codec (None: plainly): the parts lay out anew."""
+        new = {**self.settings.codecs, **codecs}
+        self.settings.codecs = {p: codec for p, codec in new.items() if codec is not None}
+        self.shards_replaced()
 
     def set_separate_reduce_scatter_group(self, enable: bool) -> None:
         """Reduce-scatter on a group of its own per part (a collective the first time)."""
+        self.settings.separate_reduce_scatter_group = enable
         for part in self.parts:
             group = part.mesh.shard_group
             part.use_reduce_group(separate_group(group) if enable else group)
@@ -142,14 +144,12 @@ class Unit:
 
 class CommContext:
     """The collectives units have in flight, bounded as each holds buffers until waited for:
-    `max_all_gathers` prefetched gathers not yet copied out (a fast CPU thread cannot run the
-    allocator ahead of the collectives), `max_reductions` reduce-scatters left running while
-    the next unit's backward computes. A root's units share one; roots may (`share_comm_ctx`)."""
+    prefetched gathers not yet copied out (a fast CPU thread cannot run the allocator ahead of
+    the collectives), reduce-scatters left running while the next unit's backward computes. A
+    root's units share one, bounded by the root's settings; roots may (`share_comm_ctx`)."""
 
-    def __init__(self) -> None:
-        self.max_all_gathers = 2
-        self.max_reductions = 1
-        self.changed_by: str | None = None  # the module whose setter changed a bound
+    def __init__(self, settings: UnitSettings) -> None:
+        self.settings = settings
         # Every rank issues and waits in the same order, as the hooks run in the same order.
         self._gathers: list[Unit] = []  # started asynchronously, oldest first
         self._reductions: deque[Unit] = deque()
@@ -159,17 +159,17 @@ class CommContext:
         if unit.is_unsharded or unit.gather_in_flight or not unit.params:
             return
         gathers = self._gathers
-        if len(gathers) >= self.max_all_gathers:
+        if len(gathers) >= (bound := self.settings.max_all_gathers_in_flight):
             # Gathers finished since (their unit ran) no longer count.
             gathers[:] = [u for u in gathers if u.gather_in_flight]
-            while len(gathers) >= self.max_all_gathers:
+            while len(gathers) >= bound:
                 gathers.pop(0).wait_for_unshard()
         unit.unshard(async_op=True)
         gathers.append(unit)
 
     def reduce(self, unit: Unit) -> None:
         """Start `unit`'s gradient reduction; `finish_reductions` (or a later one) ends it."""
-        while len(self._reductions) >= self.max_reductions:
+        while len(self._reductions) >= self.settings.reduce_scatter_max_input_buffers:
             self._reductions.popleft().finish_reduction()
         if unit.reduce_grads():
             self._reductions.append(unit)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fsdp_compose import export_safetensors, fully_shard, load_checkpoint, save_checkpoint
+from fsdp_compose import fully_shard, load_checkpoint, save_checkpoint, save_full_state_dict
 from tests.dist.parity import full, per_block
 from tests.dist.training import new_run, sharded_transformer, train, whole_state
 from tests.models import MLP, Transformer
@@ -117,9 +117,9 @@ def test_load_errors_name_keys_and_shapes(ranks, tmp_path):
     ranks.run(check_load_errors, world_size=2, path=str(tmp_path / "ckpt"))
 
 
-def check_export_safetensors(path: str) -> None:
+def check_save_full_state_dict_to_one_file(path: str) -> None:
     model = sharded_transformer(0, tie_weights=True)
-    export_safetensors(model, path)
+    save_full_state_dict(model, path)
     whole = {fqn: full(p) for fqn, p in model.named_parameters(remove_duplicate=False)}
     if dist.get_rank() == 0:
         exported = load_file(path)
@@ -130,5 +130,5 @@ def check_export_safetensors(path: str) -> None:
         assert not os.path.exists(path + ".incomplete")
 
 
-def test_export_safetensors(ranks, tmp_path):
-    ranks.run(check_export_safetensors, world_size=2, path=str(tmp_path / "model.safetensors"))
+def test_save_full_state_dict_to_one_file(ranks, tmp_path):
+    ranks.run(check_save_full_state_dict_to_one_file, world_size=2, path=str(tmp_path / "model.safetensors"))

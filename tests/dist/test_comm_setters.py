@@ -276,7 +276,7 @@ def check_share_comm_ctx() -> tuple[bool, int]:
     x = feature_batch(0, 2)
     second(first(x)).sum().backward()
     shared = all(m._state().comm is first._state().comm for m in annotated(second))
-    return shared, second.layers[0]._state().comm.max_all_gathers
+    return shared, second.layers[0]._state().comm.settings.max_all_gathers_in_flight
 
 
 def test_share_comm_ctx_shares_one_context_between_roots(ranks):
