@@ -1,20 +1,14 @@
 """The per-unit work of fully_shard written out by hand, with nothing else: the cost of the
 design itself, which benchmarks/overhead.py sets beside the runtimes.
 
-Each unit (any module whose parameters are sharded on dim 0 in one dtype: a Linear, a
-transformer block) gets what a unit of fsdp_compose does in a forward and a backward on the
-CPU: its padded shards back to back in one flat tensor; its unsharded parameters views of
-one storage, allocated before forward and backward and freed (resized to 0) after forward;
-gathered with one all-gather of the flat shard into a reused buffer (its storage resized per
-use), whose rows one `split_with_sizes_copy` copies out into the unsharded data, as
-fsdp_compose does on every backend; a hook on each unsharded parameter's gradient
-accumulation that, after the last, chunks the gradients into one flat tensor (`_chunk_cat`)
-for one reduce-scatter that averages, and adds the result to the shards' `.grad`. On one
-rank, as fsdp_compose, the unsharded parameters are the shards themselves, nothing is
-gathered, and each gradient is its own reduced shard. It calls the same process-group
-methods as fsdp_compose. Left out is all a runtime is for: DTensors, checks, a root,
-prefetch, mixed precision, other meshes and shardings, errors, state dicts. A benchmark's,
-not a runtime.
+A unit (a module whose parameters are sharded on dim 0 in one dtype) does what a unit of
+fsdp_compose does on the CPU: its padded shards lie back to back in one flat tensor, gathered
+by one all-gather into a reused buffer whose rows one `split_with_sizes_copy` copies out into
+the unsharded parameters (views of one storage, freed after forward); after the last gradient
+accumulates, one `_chunk_cat` and one averaging reduce-scatter, added to the shards' `.grad`.
+On one rank the shards are the unsharded parameters and each gradient its own reduced shard.
+It calls the process group as fsdp_compose does. Left out is all a runtime is for: DTensors,
+checks, a root, prefetch, mixed precision, other meshes, errors, state dicts.
 """
 
 from __future__ import annotations

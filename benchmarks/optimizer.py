@@ -3,34 +3,27 @@ plain tensors of the same local shapes: the optimizer's cost of the DTensor cont
 
     python benchmarks/optimizer.py          # fake group of 8, one process; CPU or one GPU
 
-A model of 8 pre-norm blocks (dim 64 and 256: --dims; 12 parameters each) is sharded per block both ways
-under each mixed-precision policy, one forward and backward gives every parameter its
+8 of GPT-2's blocks (12 parameters each; dim 64 and 256: --dims) are sharded per block both
+ways under each mixed-precision policy, one forward and backward gives every parameter its
 gradient, and then only `optimizer.step()` is timed: for-loop, foreach and fused AdamW,
-interleaved in rounds (median of rounds). The plain contender holds copies of
-fsdp_compose's local shards and gradients as ordinary tensors: what the same arithmetic
-costs without DTensor's dispatch. Writes optimizer.json to --out.
+interleaved in rounds. The plain contender holds copies of fsdp_compose's local shards and
+gradients as ordinary tensors: what the same arithmetic costs without DTensor's dispatch.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from collections.abc import Callable
-from pathlib import Path
 
+import harness
+import report
 import torch
 import torch.distributed as dist
-from provenance import provenance
+from models import Block
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
-
-from fsdp_compose import MixedPrecisionPolicy, fully_shard
 
 POLICIES = {  # name: (param_dtype, reduce_dtype)
     "none": (None, None),
@@ -38,32 +31,14 @@ POLICIES = {  # name: (param_dtype, reduce_dtype)
     "bf16, fp32 reduce": (torch.bfloat16, torch.float32),
 }
 VARIANTS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, -1)
-        x = x + self.proj(q * torch.sigmoid(k) * v)
-        return x + self.fc2(torch.relu(self.fc1(self.ln2(x))))
+WORLD = 8
 
 
 def sharded(name: str, policy: str, dim: int, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(*(Block(dim) for _ in range(8))).to(device)
-    shard, make_policy = (fully_shard, MixedPrecisionPolicy) if name == "fsdp_compose" \
-        else (torch_fully_shard, TorchPolicy)
-    param_dtype, reduce_dtype = POLICIES[policy]
-    kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
-              "mp_policy": make_policy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
-    for block in model:
-        shard(block, **kwargs)
-    shard(model, **kwargs)
+    harness.shard(model, model, name, mp_policy=harness.policy(name, *POLICIES[policy]),
+                  mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
     model(torch.randn(4, 16, dim, device=device)).float().pow(2).mean().backward()
     return model
 
@@ -79,24 +54,8 @@ def plain_copies(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-def timed(steps: dict[str, Callable[[], object]], rounds: int, calls: int, sync: Callable[[], None]) -> dict[str, float]:
-    """ms per call of each, median over interleaved rounds (alternating order)."""
-    for step in steps.values():
-        step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for r in range(rounds):
-        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
-            sync()
-            start = time.perf_counter()
-            for _ in range(calls):
-                steps[name]()
-            sync()
-            times[name].append((time.perf_counter() - start) / calls * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def by_variant(dim: int, policy: str, device: torch.device, args: argparse.Namespace,
-               sync: Callable[[], None]) -> dict[str, dict[str, float]]:
+               sync: Callable[[], object]) -> dict[str, dict[str, float]]:
     """ms per step of each contender, for-loop, foreach and fused AdamW."""
     models = {name: sharded(name, policy, dim, device) for name in ("fsdp_compose", "FSDP2")}
     params = {**{name: list(m.parameters()) for name, m in models.items()},
@@ -107,34 +66,33 @@ def by_variant(dim: int, policy: str, device: torch.device, args: argparse.Names
             continue
         optims = {name: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, **options)
                   for name, ps in params.items()}
-        # fsdp_compose's optimizer runs its arithmetic on local tensors (param/local_step.py).
-        steps = {name: (lambda o=o: o.step()) for name, o in optims.items()}
-        results[variant] = timed(steps, args.rounds, args.calls, sync)
-        ms = results[variant]
-        print(f"dim {dim}, {policy}, {variant}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
-              + f"; fsdp_compose / plain {ms['fsdp_compose'] / ms['plain']:.2f}, "
-              f"FSDP2 / plain {ms['FSDP2'] / ms['plain']:.2f}", flush=True)
+        runs = {name: (lambda o=o: [o.step() for _ in range(args.calls)])
+                for name, o in optims.items()}
+        seconds = harness.interleaved(runs, args.rounds, sync, warmup=1)  # AdamW's state
+        ms = results[variant] = {name: statistics.median(t) / args.calls * 1e3
+                                 for name, t in seconds.items()}
+        print(f"dim {dim}, {policy}, {variant}: "
+              + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()), flush=True)
     return results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=8, help="ranks simulated")
+    parser = harness.parser(__doc__)
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--calls", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--calls", type=int, default=5, help="steps per round")
     args = parser.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
-    results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
-    for dim in args.dims:
-        for policy in POLICIES:
-            results.setdefault(f"dim {dim}", {})[policy] = by_variant(dim, policy, device, args, sync)
-    args.out.mkdir(parents=True, exist_ok=True)
-    config = {**vars(args), "out": str(args.out), "device": str(device), **provenance(device)}
-    (args.out / "optimizer.json").write_text(json.dumps({"config": config, "ms_per_step": results}, indent=2))
+    results: dict[str, dict] = {}
+    with harness.process_group("fake", WORLD):
+        for dim in args.dims:
+            results[f"dim {dim}"] = {policy: by_variant(dim, policy, device, args, sync)
+                                     for policy in POLICIES}
+    result = {"config": harness.config(args, device, world=WORLD, device=str(device)),
+              "ms_per_step": results}
+    harness.write(args.out, "optimizer", result)
+    print(report.optimizer_table(result))
 
 
 if __name__ == "__main__":

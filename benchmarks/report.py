@@ -73,7 +73,7 @@ EXTRA_COLUMNS = (("host_seconds", "host ms", lambda s: f"{s * 1e3:.1f}"),
                  ("mfu", "MFU", lambda x: f"{x:.3f}"),
                  ("hidden_communication", "comm. hidden", lambda x: f"{x:.3f}"))
 MODELS = {"gpt": "the GPT of `examples/train_gpt.py`",
-          "llama": "the Llama of `benchmarks/llama.py`"}
+          "llama": "the Llama of `benchmarks/models.py`"}
 
 STEP = """\
 ## Training step
