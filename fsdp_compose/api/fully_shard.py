@@ -111,7 +111,7 @@ def fully_shard(
     _annotate(modules, name, collected, placements, policies, borrowed, resolved, mp_policy, offload)
     # Until the first forward, look for parameters no unit manages: see schedule/unmanaged.py.
     sharded = [p for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False)]
-    watch([*sharded, *(ignored_params or ())])
+    watch(state_of(modules[0]), [*sharded, *(ignored_params or ())])
     return module  # type: ignore[return-value]  # annotated in place: now FSDPModules
 
 

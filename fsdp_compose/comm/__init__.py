@@ -1,2 +1,2 @@
 """The wire and the devices: every collective, the meshes a unit resolves, reused buffers,
-side streams, the observer slot and the differences between torch versions."""
+side streams, the process-wide pieces and the differences between torch versions."""

@@ -24,11 +24,12 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..comm.process_wide import Piece
 from .replaced import MARKS, check_optimizer
 
 # The torch.optim modules whose optimizer calls the module's function of the same name.
 FUNCTIONALS = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax", "nadam", "radam")
-# The id of every sharded parameter fully_shard makes: not an attribute (swap_tensors, as
+# The id of each live ShardedParam's sharded parameter: not an attribute (swap_tensors, as
 # module.to_empty() calls it, swaps __dict__s) nor a weak reference (swap_tensors refuses
 # those). A stale id can only make another DTensor's step local: the same arithmetic.
 SHARDED_IDS: set[int] = set()
@@ -46,17 +47,45 @@ def set_local_optimizer_step(enabled: bool) -> None:
     _enabled = enabled
 
 
-@functools.cache
-def install() -> None:
+def _install() -> Callable[[], None]:
     """Wrap each elementwise optimizer's function and its class's `_init_group`; check
-    optimizers for replaced tensors."""
-    register_optimizer_step_pre_hook(_check_replaced)
+    optimizers for replaced tensors. Returns what undoes it."""
+    hook = register_optimizer_step_pre_hook(_check_replaced)
+    wrapped: list[tuple[object, str, Any]] = []  # (owner, name, original)
     for name in FUNCTIONALS:
         module = importlib.import_module(f"torch.optim.{name}")
+        wrapped.append((module, name, getattr(module, name)))
         setattr(module, name, _on_local_tensors(getattr(module, name)))
         for cls in vars(module).values():  # the module's own classes (AdamW has Adam's)
             if isinstance(cls, type) and cls.__module__ == module.__name__ and "_init_group" in vars(cls):
+                wrapped.append((cls, "_init_group", vars(cls)["_init_group"]))
                 cls._init_group = _reading_dtensors_directly(cls._init_group)  # type: ignore[attr-defined]
+
+    def undo() -> None:
+        hook.remove()
+        for owner, name, original in wrapped:
+            setattr(owner, name, original)
+
+    return undo
+
+
+_LOCAL_STEP = Piece("local optimizer step (torch.optim wrapped, an optimizer pre-hook)", _install)
+
+
+class Tracked:
+    """One ShardedParam's place here: the local step installed while it lives, the id of its
+    sharded parameter in SHARDED_IDS as long (and only the current one's)."""
+
+    def __init__(self, owner: object) -> None:
+        self._id: list[int] = []  # the finalizer's: a reference to `owner` would keep it
+        _LOCAL_STEP.hold(owner)
+        weakref.finalize(owner, SHARDED_IDS.difference_update, self._id)
+
+    def sharded(self, param: torch.Tensor) -> None:
+        """`param` is the owner's sharded parameter now."""
+        SHARDED_IDS.difference_update(self._id)
+        self._id[:] = [id(param)]
+        SHARDED_IDS.add(id(param))
 
 
 def _check_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

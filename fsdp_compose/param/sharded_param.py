@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..comm.compat import REDUCE_IN_OWN_DTYPE
 from ..comm.meshes import UnitMesh
 from .extension import GatherExtension, carry_hooks
-from .local_step import SHARDED_IDS, install
+from .local_step import Tracked
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .replaced import warn_copied
 from .sharding import ShardLayout, contiguous_stride, shard_layout
@@ -40,7 +40,7 @@ class ShardedParam:
         self, fqn: str, param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh: UnitMesh,
         mp_policy: MixedPrecisionPolicy, offload: CPUOffloadPolicy | None = None, dim: int = 0,
     ) -> None:
-        install()  # optimizers holding sharded parameters step on their local tensors
+        self._tracked = Tracked(self)  # optimizers step on its local tensor
         self.fqn = fqn
         self.owners = owners  # every (module, attribute) the parameter is registered as
         self._home = (owners[0][0]._parameters, owners[0][1])  # where adopt_registered looks
@@ -83,7 +83,7 @@ class ShardedParam:
             give_data(keep, sharded)
             sharded = keep
         self.sharded: nn.Parameter = sharded
-        SHARDED_IDS.add(id(sharded))  # optimizers step on its local tensor
+        self._tracked.sharded(sharded)
         self.local = local_of(sharded)  # a detached alias of the view: Parameter() detaches
         carry_hooks(local, self.local)
         self.param_dtype = self.mp_policy.param_dtype or local.dtype

@@ -19,6 +19,7 @@ reshard as early as is safe, and never before. Four signals, tried in this order
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -75,7 +76,9 @@ class BackwardEnd:
             if not param.requires_grad:
                 return False
             if hooked[i] is not param:
-                param.register_post_accumulate_grad_hook(self.grad_accumulated)
+                # Weakly: torch holds a parameter's hooks where the garbage collector cannot
+                # see them, so a hook holding the unit would keep the model alive for good.
+                param.register_post_accumulate_grad_hook(_weakly(self.grad_accumulated))
                 hooked[i] = param
         return True
 
@@ -151,3 +154,14 @@ class _InputsDone(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.hook()
         return (None, *grads)
+
+
+def _weakly(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
+    """`method` as a hook that does not keep its object alive (nothing once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: nn.Parameter) -> None:
+        if (bound := ref()) is not None:
+            bound(param)
+
+    return hook

@@ -11,7 +11,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves
 
-from ..comm import observer as _observer
+from ..comm import process_wide
 from ..param.policies import MixedPrecisionPolicy
 from ..param.sharded_param import ShardedParam
 from ..unit.unit import CommContext, Unit
@@ -131,7 +131,7 @@ class UnitState:
                 root.final_callback_queued = True
                 Variable._execution_engine.queue_callback(root.finish_backward)
         self.unshard(in_backward=True)
-        if (observer := _observer.current) is not None:
+        if (observer := process_wide.observer) is not None:
             observer.backward_began(self)
         for other in self.prefetch.in_backward(self):
             # Not one whose backward is done already (gathered again for nothing).
@@ -141,7 +141,7 @@ class UnitState:
     def _backward_done(self) -> None:
         """Called by the BackwardEnd, in PRE_BACKWARD, and at the end of backward: reduce and reshard."""
         self.phase = POST_BACKWARD
-        if (observer := _observer.current) is not None:
+        if (observer := process_wide.observer) is not None:
             observer.backward_done(self)
         # Freeing the parameters first keeps them and the reduce-scatter's buffers from
         # being allocated at once (the gradients live apart from the parameters' data).

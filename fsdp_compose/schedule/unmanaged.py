@@ -7,14 +7,14 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
+from ..comm.process_wide import Piece
 from .state import state_of
 
 
@@ -26,26 +26,27 @@ class UnmanagedParametersWarning(UserWarning):
 # Marks the sharded parameters fully_shard made and the ones it was told to ignore.
 _ACCOUNTED_MARK = "_fsdp_compose_accounted"
 _looked_at: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-_hook: RemovableHandle | None = None
 
 
-def watch(accounted: Iterable[torch.Tensor]) -> None:
-    """fully_shard made a unit: look at the modules called until a root's first forward
-    (a global hook, removed by `stop_watching`, so that later steps pay nothing)."""
-    global _hook
+def _install() -> Callable[[], None]:
+    # Run eagerly under torch.compile: dynamo cannot trace its weak set.
+    return nn.modules.module.register_module_forward_pre_hook(torch.compiler.disable(_look)).remove
+
+
+_WATCH = Piece("unmanaged-parameter watch (a module forward pre-hook)", _install)
+
+
+def watch(unit: object, accounted: Iterable[torch.Tensor]) -> None:
+    """fully_shard made `unit`: look at the modules called until a root's first forward (a
+    global hook, removed then, so that later steps pay nothing, or once no such unit lives)."""
     for tensor in accounted:
         setattr(tensor, _ACCOUNTED_MARK, True)
-    if _hook is None:
-        # Run eagerly under torch.compile: dynamo cannot trace its weak set.
-        _hook = nn.modules.module.register_module_forward_pre_hook(torch.compiler.disable(_look))
+    _WATCH.hold(unit)
 
 
 def stop_watching() -> None:
     """A root ran its first forward: every module enclosing it was called already."""
-    global _hook
-    if _hook is not None:
-        _hook.remove()
-        _hook = None
+    _WATCH.remove()
 
 
 # Frames of these packages sit between the user's call and the hook that warns.

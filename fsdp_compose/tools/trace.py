@@ -1,6 +1,6 @@
 """StepTrace: what each unit did in one or more training steps, on this rank: its collectives (bytes,
 time blocked), its forward and backward compute, the memory held at each. While open it is the runtime's
-observer (comm/observer.py); each span is also a torch.profiler range "fsdp::<unit> <what> <pass>"."""
+observer (comm/process_wide.py); each span is also a torch.profiler range "fsdp::<unit> <what> <pass>"."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..comm import observer as _observer
+from ..comm import process_wide
 from ..comm.collectives import every_rank
 from ..schedule.iteration import UnitState
 from ..schedule.phase import in_backward
@@ -51,16 +51,16 @@ class StepTrace:
     # -- opening and closing -----------------------------------------------------------------
 
     def __enter__(self) -> StepTrace:
-        if _observer.current is not None:
+        if process_wide.observer is not None:
             raise RuntimeError("StepTrace: another trace is open; one at a time (close it first).")
         self._origin = time.perf_counter()
         for state in self._states.values():
             self._hook_forward(state)
-        _observer.observe(self)
+        process_wide.observe(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _observer.observe(None)
+        process_wide.observe(None)
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -81,13 +81,13 @@ class StepTrace:
             self._hooks.append(module.register_forward_hook(  # before fully_shard's
                 lambda *_: self._end(state, COMPUTE, FORWARD), prepend=True))
 
-    # -- the runtime's events (see comm/observer.py) -------------------------------------------------
+    # -- the runtime's events (see comm/process_wide.py) -------------------------------------------------
 
     def begin(self, part: object, event: str) -> None:
         if (state := self._part_of.get(id(part))) is None:
             return  # another model's unit
         name = f"fsdp::{self._name(state)} {event}"
-        if event == _observer.ISSUE_GATHER:
+        if event == process_wide.ISSUE_GATHER:
             name += f" {BACKWARD if in_backward() else FORWARD}"
         self._events[id(part), event] = (self._now(), torch.profiler.record_function(name).__enter__())
 
@@ -97,14 +97,14 @@ class StepTrace:
         begun, record = self._events.pop((id(part), event))
         record.__exit__(None, None, None)
         blocked = self._now() - begun
-        if event == _observer.ISSUE_GATHER:
+        if event == process_wide.ISSUE_GATHER:
             phase = BACKWARD if in_backward() else FORWARD
             self._begin(state, ALL_GATHER, phase, begun, by=part, nbytes=nbytes, blocked=blocked)
-        elif event == _observer.WAIT_GATHER:
+        elif event == process_wide.WAIT_GATHER:
             self._end(part, ALL_GATHER, None, blocked)
-        elif event == _observer.ISSUE_REDUCE and nbytes:
+        elif event == process_wide.ISSUE_REDUCE and nbytes:
             self._begin(state, REDUCE_SCATTER, BACKWARD, begun, by=part, nbytes=nbytes, blocked=blocked)
-        elif event == _observer.WAIT_REDUCE:
+        elif event == process_wide.WAIT_REDUCE:
             self._end(part, REDUCE_SCATTER, BACKWARD, blocked)
 
     def backward_began(self, state: object) -> None:

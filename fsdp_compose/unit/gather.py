@@ -9,7 +9,7 @@ import torch
 from torch.distributed import ProcessGroup, Work
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import observer as _observer
+from ..comm import process_wide
 from ..comm.collectives import ReusedBuffer, all_gather, allocate, collective_failed
 from .as_bytes import decode_rows, encode_shards
 from .held import GATHERED, POST_FORWARD, UNSHARDED
@@ -106,8 +106,8 @@ class Gatherer:
     ) -> _Gather:
         """Issue the all-gather of this rank's shards (or of kept pieces, `inputs`)."""
         part = self._part
-        if (observer := _observer.current) is not None:
-            observer.begin(part, _observer.ISSUE_GATHER)
+        if (observer := process_wide.observer) is not None:
+            observer.begin(part, process_wide.ISSUE_GATHER)
         layout = part.layout
         assert layout is not None, "laid out by unshard"
         encoded, spec, copied_in = False, None, None
@@ -145,7 +145,7 @@ class Gatherer:
         except RuntimeError as error:
             raise collective_failed(part.label, "all-gather", rows, error) from error
         if observer is not None:
-            observer.end(part, _observer.ISSUE_GATHER, gathered.nbytes)
+            observer.end(part, process_wide.ISSUE_GATHER, gathered.nbytes)
         return _Gather(gathered, work, sizes, encoded, inputs, layout)
 
     def _allocate(self, layout: Layout) -> None:
@@ -170,8 +170,8 @@ class Gatherer:
         if (gather := self._pending) is None:
             return
         part, self._pending = self._part, None
-        if (observer := _observer.current) is not None:
-            observer.begin(part, _observer.WAIT_GATHER)
+        if (observer := process_wide.observer) is not None:
+            observer.begin(part, process_wide.WAIT_GATHER)
         if gather.work is not None:
             try:
                 gather.work.wait()
@@ -184,7 +184,7 @@ class Gatherer:
             part.streams.copied_out()
         self._register(unsharded=True)
         if observer is not None:
-            observer.end(part, _observer.WAIT_GATHER)
+            observer.end(part, process_wide.WAIT_GATHER)
 
     def _register(self, unsharded: bool) -> None:
         """Register the unsharded (or the sharded) parameters on their modules."""

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed import Work
 
-from ..comm import observer as _observer
+from ..comm import process_wide
 from ..comm.collectives import (
     GradReduction,
     ReusedBuffer,
@@ -60,12 +60,12 @@ class Reducer:
         if self._pending is not None:
             self.finish_reduction()  # this unit's reduction of an earlier part of the backward
         part, layout = self._part, self._part.layout
-        if (observer := _observer.current) is not None:
-            observer.begin(part, _observer.ISSUE_REDUCE)
+        if (observer := process_wide.observer) is not None:
+            observer.begin(part, process_wide.ISSUE_REDUCE)
         params, grads = self._grads_to_reduce()
         if not params:
             if observer is not None:
-                observer.end(part, _observer.ISSUE_REDUCE)
+                observer.end(part, process_wide.ISSUE_REDUCE)
             return False
         dtypes = dtype_facts(self.params) if layout is None else layout.dtypes
         settings, mesh = part.settings, part.mesh
@@ -75,7 +75,7 @@ class Reducer:
         )
         self._pending = self._start(params, grads, dtypes, reduction)
         if observer is not None:
-            observer.end(part, _observer.ISSUE_REDUCE, self._pending.input.nbytes)
+            observer.end(part, process_wide.ISSUE_REDUCE, self._pending.input.nbytes)
         return True
 
     def _start(
@@ -151,8 +151,8 @@ class Reducer:
         if (pending := self._pending) is None:
             return
         part, self._pending = self._part, None
-        if (observer := _observer.current) is not None:
-            observer.begin(part, _observer.WAIT_REDUCE)
+        if (observer := process_wide.observer) is not None:
+            observer.begin(part, process_wide.WAIT_REDUCE)
         if pending.work is not None:
             try:
                 pending.work.wait()
@@ -165,7 +165,7 @@ class Reducer:
         if final:
             part.grads.hold(pending.params, pending.sizes, pending.output)
         if observer is not None:
-            observer.end(part, _observer.WAIT_REDUCE)
+            observer.end(part, process_wide.WAIT_REDUCE)
 
     def _post_reduce(
         self, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor,

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import fully_shard
-from fsdp_compose.comm import observer
+from fsdp_compose.comm import process_wide
 from fsdp_compose.schedule.state import state_of
 from fsdp_compose.unit.held import (
     GATHERED,
@@ -97,11 +97,11 @@ def check_buffers() -> dict[str, object]:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler, between = Sampler(units), []
     for step in range(STEPS):
-        observer.observe(sampler)
+        process_wide.observe(sampler)
         try:
             lm_loss(model, token_batch(step, 2)).backward()
         finally:
-            observer.observe(None)
+            process_wide.observe(None)
         between.append(sampler.held())
         optim.step()
         if step < STEPS - 1:
