@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     switch = replace_torch_fsdp()
     os.environ[SWITCH_ENV] = "1"  # for children: spawned, or any Python subprocess
-    os.environ["PYTHONPATH"] = os.pathsep.join([STARTUP, *filter(None, [os.environ.get("PYTHONPATH")])])
+    paths = [STARTUP, os.environ.get("PYTHONPATH")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     if os.environ.get("RANK", "0") == "0":
         print(f"fsdp_compose.run: torch.distributed.fsdp.fully_shard is fsdp_compose's "
               f"({len(switch.names)} names rebound)", file=sys.stderr, flush=True)

@@ -82,7 +82,7 @@ class ReusedBuffer:
     flat: torch.Tensor  # the taken tensor, 1-D: set by the first take
 
     def __init__(self) -> None:
-        # The spec taken, its tensor, the tensor's storage and the bytes that storage holds when taken.
+        # The spec taken, its tensor, the tensor's storage and the bytes it holds when taken.
         self._taken: tuple[_Spec, torch.Tensor, torch.UntypedStorage, int] | None = None
 
     def take(self, spec: _Spec) -> torch.Tensor:
@@ -215,7 +215,8 @@ def barrier() -> None:
 
 def collective_failed(unit: str, collective: str, ranks: int, error: RuntimeError) -> RuntimeError:
     """The error to raise for a collective that failed with `error` (e.g. timed out)."""
-    return RuntimeError(f"fsdp_compose: the {collective} of unit {unit} over {ranks} ranks failed on rank "
-                        f"{dist.get_rank()}: {error}\nAnother rank probably raised or stopped before this "
-                        "collective: look for its error. How long a rank waits is the process group's "
-                        "timeout: init_process_group(..., timeout=datetime.timedelta(minutes=...)).")
+    return RuntimeError(
+        f"fsdp_compose: the {collective} of unit {unit} over {ranks} ranks failed on rank "
+        f"{dist.get_rank()}: {error}\nAnother rank probably raised or stopped before this "
+        "collective: look for its error. How long a rank waits is the process group's timeout: "
+        "init_process_group(..., timeout=datetime.timedelta(minutes=...)).")

@@ -29,7 +29,7 @@ class DataParallelMeshDims:
 
     def __post_init__(self) -> None:
         if self.shard is None and self.replicate is None:
-            raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")
+            raise ValueError("DataParallelMeshDims: set at least one of shard or replicate")
 
     @property
     def shard_names(self) -> tuple[str, ...]:
@@ -130,8 +130,8 @@ def _replicate_only(mesh: DeviceMesh, replicate: tuple[str, ...]) -> DeviceMesh:
         others = [i for i, n in enumerate(names) if n not in replicate]
         order = [*others, *(names.index(n) for n in replicate)]
         ranks = mesh.mesh.permute(order).reshape(*(mesh.size(i) for i in others), -1, 1)
-        other_names = tuple(f"{names[i]}.other" for i in others)
-        whole = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*other_names, "replicate", "shard"))
+        labels = (*(f"{names[i]}.other" for i in others), "replicate", "shard")
+        whole = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=labels)
         return whole["replicate", "shard"]
 
     return _in_this_world(("replicate only", mesh, replicate), make)
@@ -151,16 +151,17 @@ def default_mesh(name: str) -> DeviceMesh:
     """A 1-D mesh over every rank of the default process group, on the accelerator if any."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"fully_shard({name}): no default process group. Call torch.distributed."
-                           "init_process_group() first (torchrun sets up its environment), or pass mesh=.")
+                           "init_process_group() first (torchrun sets up its environment), or "
+                           "pass mesh=.")
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     device_type = accelerator.type if accelerator is not None else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
+    if (kind := mesh.device_type) == "cpu":
         return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+    return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
 # Note [derived meshes]: building a DeviceMesh creates process groups, which every rank does
@@ -203,8 +204,8 @@ def resolve_reshard_after_forward(
     if value is None or isinstance(value, bool):
         return value, None
     if value == 1:
-        warnings.warn("reshard_after_forward=1 keeps the whole parameters after forward, as False does; "
-                      "for freeing them (True) pass a bool.", stacklevel=4)
+        warnings.warn("reshard_after_forward=1 keeps the whole parameters after forward, as False "
+                      "does; for freeing them (True) pass a bool.", stacklevel=4)
         return False, None
     if value == mesh.size(mesh.ndim - 1):
         return True, None

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+from torch import Tensor
 
 from .sharded_param import ShardedParam
 
@@ -24,7 +25,7 @@ class AllGatherCodec(Protocol):
 
     def encode(self, shard: torch.Tensor, rows: int, row_numel: int) -> torch.Tensor: ...
 
-    def decode(self, encoded: torch.Tensor, out: torch.Tensor, rows: int, row_numel: int) -> None: ...
+    def decode(self, encoded: Tensor, out: Tensor, rows: int, row_numel: int) -> None: ...
 
 
 class Int8RowCodec:

@@ -36,7 +36,7 @@ def has_extension(local: torch.Tensor, where: str) -> bool:
 
 
 def carried_problem(where: str, local: torch.Tensor) -> str | None:
-    """Why a parameter whose local shard `local` has no all-gather hooks cannot be gathered, if it cannot."""
+    """Why a parameter whose shard `local` has no all-gather hooks cannot be gathered, if so."""
     if not is_traceable_wrapper_subclass(local):
         return None
     return (
@@ -75,8 +75,9 @@ class GatherExtension:
         if function is not self._pre_function:  # count its parameters once, not every gather
             if (count := len(inspect.signature(pre).parameters)) not in (1, 5):
                 raise TypeError(
-                    f"fsdp_compose: parameter {self._fqn!r}: {PRE} takes {count} parameters; torch's "
-                    "fully_shard calls it with (mesh) or (mesh, outer_size, outer_stride, module, mp_policy)."
+                    f"fsdp_compose: parameter {self._fqn!r}: {PRE} takes {count} parameters; "
+                    "torch's fully_shard calls it with (mesh) or (mesh, outer_size, "
+                    "outer_stride, module, mp_policy)."
                 )
             self._pre_function, self._pre_count = function, count
         inputs, self._metadata = pre(*self._arguments[: self._pre_count])

@@ -36,7 +36,8 @@ SHARDED_IDS: set[int] = set()
 _enabled = True
 _LOCAL = operator.attrgetter("_local_tensor")  # a DTensor's own local tensor
 _PER_PARAMETER = (DTensor, type(None))  # the first of a list to unwrap (not scalar steps')
-_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]]
+_checked = weakref.WeakKeyDictionary()
 
 
 def set_local_optimizer_step(enabled: bool) -> None:
@@ -57,9 +58,10 @@ def _install() -> Callable[[], None]:
         wrapped.append((module, name, getattr(module, name)))
         setattr(module, name, _on_local_tensors(getattr(module, name)))
         for cls in vars(module).values():  # the module's own classes (AdamW has Adam's)
-            if isinstance(cls, type) and cls.__module__ == module.__name__ and "_init_group" in vars(cls):
+            own = isinstance(cls, type) and cls.__module__ == module.__name__
+            if own and "_init_group" in vars(cls):
                 wrapped.append((cls, "_init_group", vars(cls)["_init_group"]))
-                cls._init_group = _reading_dtensors_directly(cls._init_group)  # type: ignore[attr-defined]
+                cls._init_group = _reading_dtensors_directly(cls._init_group)
 
     def undo() -> None:
         hook.remove()

@@ -37,8 +37,9 @@ class MixedPrecisionPolicy:
         override = self.param_dtype_override_fn(param)
         if override is not None and override not in (self.param_dtype, param.dtype):
             raise ValueError(
-                f"param_dtype_override_fn returned {override!r} for parameter {fqn!r} ({param.dtype}); "
-                f"it must return None, param_dtype ({self.param_dtype}) or the parameter's own dtype."
+                f"param_dtype_override_fn returned {override!r} for parameter {fqn!r} "
+                f"({param.dtype}); it must return None, param_dtype ({self.param_dtype}) or the "
+                "parameter's own dtype."
             )
         return replace(self, param_dtype=override or self.param_dtype, param_dtype_override_fn=None)
 
@@ -68,4 +69,4 @@ _OURS_BY_NAME = {c.__name__: c for c in (MixedPrecisionPolicy, OffloadPolicy, CP
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree)
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)

@@ -47,21 +47,24 @@ class ShardedParam:
         self.mp_policy = mp_policy
         device = self._device = mesh.device  # where the unit computes
         self._shard_device = torch.device("cpu") if offload is not None else device
-        self._pin_memory = offload is not None and offload.pin_memory and torch.accelerator.is_available()
+        self._pin_memory = bool(offload and offload.pin_memory and torch.accelerator.is_available())
         # A tensor-parallel DTensor: we shard its local tensor (Note [tensor parallel]).
         self._tp = TensorParallel.of(param, mesh.spmd) if isinstance(param, DTensor) else None
         self.is_tensor_parallel = self._tp is not None
-        whole = self._tp.local(param) if self._tp is not None else param.detach()  # type: ignore[arg-type]  # a DTensor when _tp is set
+        # (param is a DTensor when _tp is set)
+        whole = self._tp.local(param) if self._tp is not None else param.detach()  # type: ignore[arg-type]
         self.layout: ShardLayout = shard_layout(whole.shape, mesh.shard_size, dim)
         self._local_shape = self.layout.local_shape(mesh.shard_rank)
         self._local_stride = contiguous_stride(self._local_shape)
         self._chunk = self.layout.chunk(mesh.shard_rank)
         placements = (*mesh.placements[:-1], Shard(dim))
+        shape = self.layout.shape
         self._spec = (self._tp.sharded_spec(mesh.mesh, placements, dim) if self._tp is not None
-                      else (mesh.mesh, placements, self.layout.shape, contiguous_stride(self.layout.shape)))
+                      else (mesh.mesh, placements, shape, contiguous_stride(shape)))
         self.shape: torch.Size = self._spec[2]  # a tensor-parallel parameter's global shape
         # What this rank built, for the first forward's check that the ranks built the same.
-        self.built = None if whole.is_meta or is_traceable_wrapper_subclass(whole) else checksum(whole)
+        unread = whole.is_meta or is_traceable_wrapper_subclass(whole)
+        self.built = None if unread else checksum(whole)
         self._store_shard(self._mine(whole), param.requires_grad)
 
     def _mine(self, whole: torch.Tensor) -> torch.Tensor:
@@ -141,7 +144,8 @@ class ShardedParam:
         if registered is self.unsharded:
             return False
         if isinstance(registered, DTensor):
-            if (registered.device_mesh, tuple(registered.placements), registered.shape) != self._spec[:3]:
+            spec = registered.device_mesh, tuple(registered.placements), registered.shape
+            if spec != self._spec[:3]:
                 raise ValueError(
                     f"fsdp_compose: parameter {self.fqn!r} was replaced by a DTensor of shape "
                     f"{tuple(registered.shape)} with {registered.placements} on "
@@ -230,7 +234,8 @@ def zeroed_shard(local: torch.Tensor, numel: int, device: torch.device, pin: boo
     """A flat zeroed shard of `numel` elements, of `local`'s class, on `device` (or meta)."""
     if local.is_meta or not is_traceable_wrapper_subclass(local):
         on = local.device if local.is_meta else device
-        return torch.zeros(numel, dtype=local.dtype, device=on, pin_memory=pin and not local.is_meta)
+        pin = pin and not local.is_meta
+        return torch.zeros(numel, dtype=local.dtype, device=on, pin_memory=pin)
     return local.new_zeros(numel)
 
 

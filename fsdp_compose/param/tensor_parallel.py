@@ -47,7 +47,8 @@ class TensorParallel(NamedTuple):
 
     def slice(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's TP-local part of a whole tensor."""
-        shape, offsets = compute_local_shape_and_global_offset(self.shape, self.mesh, self.placements)
+        local_part = compute_local_shape_and_global_offset
+        shape, offsets = local_part(self.shape, self.mesh, self.placements)
         return whole[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
 
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
@@ -55,10 +56,11 @@ class TensorParallel(NamedTuple):
             local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
 
-    def sharded_spec(self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...], dim: int) -> _Spec:
-        """The sharded parameter's spec when `dp_mesh` shards the TP-local tensor on `dim`. On the full
-        SPMD mesh (`spmd`): each shard dim's Replicate becomes Shard(dim) (_StridedShard when mesh dims
-        after it shard `dim` too); several are one flattened dim (SpmdDims.spec)."""
+    def sharded_spec(self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...], dim: int,
+                     ) -> _Spec:
+        """The sharded parameter's spec when `dp_mesh` shards the TP-local tensor on `dim`. On the
+        full SPMD mesh (`spmd`): each shard dim's Replicate becomes Shard(dim) (_StridedShard when
+        mesh dims after it shard `dim` too); several are one flattened dim (SpmdDims.spec)."""
         if (spmd := self.spmd) is None:
             shards = zip(self.mesh.shape, self.placements)
             tp_shards = math.prod(size for size, placement in shards if placement.is_shard(dim))

@@ -90,8 +90,8 @@ def _raise_difference(
 ) -> None:
     ranks = dist.get_global_rank(group, 0), dist.get_global_rank(group, index)
     labels = [label for label, _ in first], [label for label, _ in other]
-    if missing := [(r, label) for r, mine, theirs in ((ranks[1], *labels), (ranks[0], *labels[::-1]))
-                   for label in mine if label not in theirs][:1]:
+    pairs = ((ranks[1], *labels), (ranks[0], *labels[::-1]))
+    if missing := [(r, name) for r, mine, theirs in pairs for name in mine if name not in theirs]:
         rank, label = missing[0]
         found = f"rank {rank} has no unit {label}, which rank {sum(ranks) - rank} has"
     else:  # the same units: the first whose parameters differ, described by both ranks

@@ -56,9 +56,9 @@ class BackwardEnd:
         # layout makes new ones).
         self._hooked: list[nn.Parameter | None] = [None] * len(params)
 
-    def hook_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], recomputed: bool = False) -> Inputs:
-        """A forward with grad, or a call `recomputed` by reentrant checkpointing (signal 3): end this
-        backward with its last gradient, or its inputs' gradients (the returned inputs carry the hook)."""
+    def hook_forward(self, args: Any, kwargs: dict[str, Any], recomputed: bool = False) -> Inputs:
+        """A forward with grad, or a call `recomputed` by reentrant checkpointing (signal 3): end
+        this backward with its last gradient, or its inputs' (the inputs returned carry a hook)."""
         self.hooked_in_forward = not recomputed  # a recomputation follows no hooked forward
         self._on_last_grad = self._can_end_on_last_grad()
         if not self._on_last_grad and self.may_end_on_inputs:
@@ -94,7 +94,7 @@ class BackwardEnd:
                 self._done()
 
     def inputs_done(self, *_grads: Any) -> None:
-        """Signal 2: one forward's inputs' backward is done (a node hook: its gradients are unused)."""
+        """Signal 2: one forward's inputs' backward is done (a node hook: gradients unused)."""
         if self._inputs_pending > 0:
             self._inputs_pending -= 1
         if not self._inputs_pending and self._in_backward():
@@ -108,8 +108,8 @@ class BackwardEnd:
         self.forget()
 
     def forget(self) -> None:
-        """The unit's backward finished or was abandoned: the next forward hooks anew. Not at the next
-        forward: another unit's standalone forward (a chunked loss's head) may run in between."""
+        """The unit's backward finished or was abandoned: the next forward hooks anew. Not at the
+        next forward: another unit's standalone forward (a chunked loss's head) may come first."""
         self._inputs_pending = 0
         self.hooked_in_forward = False
 
@@ -146,7 +146,7 @@ class _InputsDone(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward runs the hook."""
 
     @staticmethod
-    def forward(ctx: Any, hook: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, hook: Callable[[], None], *inputs: torch.Tensor) -> tuple[Any, ...]:
         ctx.hook = hook
         return inputs
 

@@ -35,7 +35,7 @@ def install_hooks(state: UnitState) -> None:
         module.register_forward_hook(functools.partial(post_forward, state), always_call=True)
 
 
-def pre_forward(state: UnitState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Inputs:
+def pre_forward(state: UnitState, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Inputs:
     if torch.compiler.is_dynamo_compiling():
         return run_eagerly(pre_forward, state, module, args, kwargs)  # type: ignore[no-any-return]
     if not state.initialised:
@@ -105,7 +105,7 @@ def post_forward(state: UnitState, module: nn.Module, args: Any, output: Any) ->
 
 
 def _after_failed_forward(state: UnitState, module: nn.Module) -> None:
-    """`module`'s forward raised: undo its pre-hook, or, if it enclosed the others, the iteration's."""
+    """`module`'s forward raised: undo its pre-hook (the iteration's if it enclosed the others)."""
     if state.phase is not FORWARD or module not in state.modules_to_run or in_backward():
         return  # not a forward of ours in progress (e.g. a recomputation in backward)
     if state.root.forward_root is state:
@@ -160,9 +160,9 @@ def _units_under(root: UnitState) -> list[UnitState]:
             continue
         if s is not root and s.initialised:
             raise RuntimeError(
-                f"fully_shard: the unit at {fqn!r} ({type(module).__name__}) already ran forward as a "
-                f"root before its enclosing unit {type(root.modules[0]).__name__}. Run forward "
-                "through the outermost annotated module first."
+                f"fully_shard: the unit at {fqn!r} ({type(module).__name__}) already ran forward "
+                f"as a root before its enclosing unit {type(root.modules[0]).__name__}. Run "
+                "forward through the outermost annotated module first."
             )
         s.unit.name(fqn, fqn or f"<root {type(module).__name__}>")
         states.append(s)

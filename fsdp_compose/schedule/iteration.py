@@ -1,6 +1,5 @@
-"""One iteration's state machine: each unit's phase and settings (UnitState), and what its root owns
-across the units of one model (Root): the forward order, the end-of-backward callback. Hooks (hooks.py)
-unshard a unit for forward and backward and reshard it after; backward_done.py says when backward is."""
+"""One iteration's state machine: each unit's phase (UnitState), and what its root owns across
+the units of one model (Root): the forward order, the end-of-backward callback."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ class Prefetch:
         self.ended_forward_before: tuple[UnitState, ...] = ()  # set as the unit's forward ends
 
     def in_forward(self, unit: UnitState, last_order: list[UnitState]) -> list[UnitState]:
-        """The units to start gathering as `unit`'s forward begins (`last_order`: the last
-        iteration's)."""
+        """The units to gather as `unit`'s forward begins (`last_order`: the last iteration's)."""
         settings = unit.settings
         if settings.forward_prefetch or not settings.implicit_forward_prefetch:
             return settings.forward_prefetch
@@ -48,7 +46,7 @@ class UnitState:
 
     root: Root  # set at lazy init (the first forward), when `initialised` becomes True
 
-    def __init__(self, modules: list[nn.Module], unit: Unit, mp_policy: MixedPrecisionPolicy) -> None:
+    def __init__(self, modules: list[nn.Module], unit: Unit, mp: MixedPrecisionPolicy) -> None:
         self.modules = modules
         self.unit = unit
         self.settings = unit.settings  # see unit/settings.py
@@ -66,8 +64,8 @@ class UnitState:
             unit.params, self._backward_done, lambda: self.phase is PRE_BACKWARD, unit.settings
         )
         # What forward casts its floating-point inputs and outputs to (None: nothing).
-        self.input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
-        self.output_dtype = mp_policy.output_dtype
+        self.input_dtype = mp.param_dtype if mp.cast_forward_inputs else None
+        self.output_dtype = mp.output_dtype
 
     @property
     def label(self) -> str:
@@ -79,7 +77,7 @@ class UnitState:
         return self.initialised and self.root.state is self
 
     def refuse(self, phase: Phase) -> NoReturn:
-        """A hook ran out of order (e.g. forward again inside a forward of the unit): refuse `phase`."""
+        """A hook ran out of order (e.g. a forward inside the unit's forward): refuse `phase`."""
         raise RuntimeError(
             f"fsdp_compose: unit {self.label} on rank {self.unit.mesh.get_rank()} cannot go "
             f"from {self.phase.name} to {phase.name}: its hooks ran out of order."
@@ -103,11 +101,13 @@ class UnitState:
         self.prefetch.ended_forward_before = () if before is None else (before,)
         root.last_post_forward = self
         if self.lends:
-            return  # a borrower may still run in this forward: see schedule/tied.py and Root.end_forward
+            # A borrower may still run in this forward: see schedule/tied.py, Root.end_forward.
+            return
         if not torch.is_grad_enabled():
             self.unit.reshard()  # no backward can follow a forward without grad
-        elif (reshard := self.settings.reshard_after_forward) or (reshard is None and not self.is_root):
-            self.unit.reshard(keep_post_forward=True)  # None: True, but for the root
+        # None: True, but for the root.
+        elif (after := self.settings.reshard_after_forward) or (after is None and not self.is_root):
+            self.unit.reshard(keep_post_forward=True)
 
     def register_pre_backward(self, output: Any) -> None:
         if not torch.is_grad_enabled():
@@ -139,7 +139,7 @@ class UnitState:
                 self.comm.prefetch(other.unit)  # overlaps this unit's gradient computation
 
     def _backward_done(self) -> None:
-        """Called by the BackwardEnd, in PRE_BACKWARD, and at the end of backward: reduce and reshard."""
+        """Called by the BackwardEnd, in PRE_BACKWARD, and at the end of backward."""
         self.phase = POST_BACKWARD
         if (observer := process_wide.observer) is not None:
             observer.backward_done(self)
@@ -163,7 +163,7 @@ class UnitState:
         self.phase = IDLE
 
     def forget_iteration(self) -> None:
-        """IDLE and resharded, the gradients of an unfinished backward dropped (finished ones' kept)."""
+        """IDLE and resharded, an unfinished backward's gradients dropped (finished ones' kept)."""
         self.unit.reshard()
         self.unit.discard_backward()
         self.phase = IDLE
@@ -242,9 +242,10 @@ class Root:
         self.final_callback_queued = False
 
     def finalize_backward(self) -> None:
-        """FSDPModule.finalize_backward: reduce what backwards without sync left, as a backward's end does."""
+        """FSDPModule.finalize_backward: reduce what backwards without sync left, as at the end."""
         # A unit awaits its backward if a forward with grad ran and its backward has not finished.
-        if bad := [s.label for s in self.states if s.phase is not IDLE or s.backward_end.hooked_in_forward]:
+        if bad := [s.label for s in self.states
+                   if s.phase is not IDLE or s.backward_end.hooked_in_forward]:
             raise RuntimeError(
                 f"finalize_backward: units {bad} are between a forward and its backward; "
                 "call it after the step's backward passes."

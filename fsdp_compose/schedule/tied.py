@@ -1,10 +1,10 @@
-"""Parameters tied across units (an embedding and an LM head in different units). The first unit to
-annotate a parameter owns it: it gathers it and reduces its gradient, once (autograd accumulates every
-use's gradient in the one unsharded parameter before the owner's last-gradient hook runs). A later unit
-holding it borrows it: its modules become owners of the sharded parameter too (the owner's gather
-registers the unsharded form there as well), and it gathers the owner before each of its forwards and
-backwards. A lending unit keeps its parameters from forward to backward: a borrower may run between
-the two, or inside the owner's enclosing forward."""
+"""Parameters tied across units (an embedding and an LM head in different units). The first
+unit to annotate a parameter owns it: it gathers it and reduces its gradient, once (autograd
+accumulates every use's gradient in the one unsharded parameter before the owner's last-gradient
+hook runs). A later unit holding it borrows it: its modules become owners of the sharded
+parameter too (the owner's gather registers the unsharded form there as well), and it gathers the
+owner before each of its forwards and backwards. A lending unit keeps its parameters from forward
+to backward: a borrower may run between the two, or inside the owner's enclosing forward."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def owner_of(param: nn.Parameter) -> tuple[UnitState, ShardedParam] | None:
     return owner
 
 
-def check_borrowable(name: str, borrowed: Borrowed, mesh: UnitMesh, mp: MixedPrecisionPolicy) -> None:
+def check_borrowable(name: str, borrowed: Borrowed, mesh: UnitMesh, mp: MixedPrecisionPolicy,
+                     ) -> None:
     """The borrower computes with the owner's gathered tensor: refuse another mesh or dtype."""
     owner, param = borrowed.owner, borrowed.param
     dtype = mp.param_dtype or param.sharded.dtype

@@ -20,7 +20,7 @@ from .state import state_of
 
 class UnmanagedParametersWarning(UserWarning):
     """A model with fully_shard units runs forward with trainable parameters outside every unit.
-    Silence it on purpose with `warnings.filterwarnings("ignore", category=UnmanagedParametersWarning)`."""
+    To keep such parameters apart on purpose, filter this category of warnings."""
 
 
 # Marks the sharded parameters fully_shard made and the ones it was told to ignore.
@@ -54,7 +54,8 @@ _INTERNAL = ("torch", __name__.split(".")[0])
 
 
 def _look(module: nn.Module, args: Any) -> None:
-    """Before the first root: warn of a module holding units, not one, with trainable parameters in none."""
+    """Before the first root: warn of a module holding units, not one, with trainable parameters
+    in none."""
     if module in _looked_at or state_of(module) is not None:
         return
     inside = list(module.modules())

@@ -5,11 +5,12 @@ compute in different dtypes."""
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ..param.sharded_param import ShardedParam
 
 
-def encode_shards(params: list[ShardedParam], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+def encode_shards(params: list[ShardedParam], device: torch.device) -> tuple[Tensor, list[int]]:
     """What a rank sends and each parameter's share: what its extension sends, or its shard
     in its dtype, as bytes padded to 8 (to be viewed in any dtype again)."""
     pieces = []

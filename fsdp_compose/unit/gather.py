@@ -25,7 +25,7 @@ class _Gather(NamedTuple):
     work: Work | torch.Event | None  # wait(): gloo blocks; an event orders the compute stream
     sizes: list[int]  # each parameter's padded shard, per row (bytes if encoded)
     encoded: bool  # uint8 rows: see unit/as_bytes.py
-    inputs: list[torch.Tensor] | None  # the kept pieces sent, alive until waited for (comm/streams.py)
+    inputs: list[torch.Tensor] | None  # kept pieces sent, alive until waited for (comm/streams.py)
     layout: Layout  # the part's when it started: where the rows land
 
 
@@ -78,7 +78,8 @@ class Gatherer:
             rows, written_on_compute = group.size(), True
         else:
             layout = part.layout
-            if written_on_compute := layout is None:  # a new layout: its unsharded storages come freed
+            # A new layout: its unsharded storages come freed.
+            if written_on_compute := layout is None:
                 layout, self._allocated = part.lay_out(), None
                 if post_forward is not None:
                     self._check_extended()
@@ -88,7 +89,8 @@ class Gatherer:
                     torch._foreach_copy_(*layout.cast_in, non_blocking=True)
                 self._register(unsharded=True)  # zero_copy: the shards are the unsharded data
                 return
-            group, rows, sizes, inputs = part.mesh.shard_group, part.mesh.shard_size, part.sizes, None
+            mesh, sizes, inputs = part.mesh, part.sizes, None
+            group, rows = mesh.shard_group, mesh.shard_size
         if side is None:
             self._pending = self._start(group, rows, sizes, inputs, async_op)
         else:
@@ -176,7 +178,8 @@ class Gatherer:
             try:
                 gather.work.wait()
             except RuntimeError as error:
-                raise collective_failed(part.label, "all-gather", len(gather.gathered), error) from error
+                ranks = len(gather.gathered)
+                raise collective_failed(part.label, "all-gather", ranks, error) from error
         self._allocate(gather.layout)
         self._copy_out(gather)
         self._buffer.release()

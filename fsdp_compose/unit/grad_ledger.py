@@ -41,7 +41,8 @@ class GradLedger:
         return bool(self._accumulated) or any(p.unsharded.grad is not None for p in self._params)
 
     def take_unsharded(self, p: ShardedParam) -> torch.Tensor | None:
-        """p's unsharded gradient summed since the last reduction (the earlier sum kept till commit)."""
+        """p's unsharded gradient summed since the last reduction (the earlier sum kept till
+        commit)."""
         grad = p.pop_unsharded_grad()
         accumulated = self._accumulated.get(p)
         if accumulated is None or p in self._spent_accumulated:

@@ -131,8 +131,8 @@ def _find_extensions(
             p.extension = None
             continue
         if p.extension is None or hooks is not old:
-            mesh_1d = shard_mesh(mesh.mesh)
-            p.extension = GatherExtension(p.fqn, p.owners[0][0], mesh_1d, p.shape, p.mp_policy, hooks)
+            module, mesh_1d = p.owners[0][0], shard_mesh(mesh.mesh)
+            p.extension = GatherExtension(p.fqn, module, mesh_1d, p.shape, p.mp_policy, hooks)
     return True
 
 

@@ -88,7 +88,8 @@ class Reducer:
         custom, shard_size = part.settings.custom_reduce_scatter, part.mesh.shard_size
         rows, flat, sizes = self._chunked(params, grads, dtypes)
         work: Work | torch.Event | None
-        with nullcontext() if side is None else side.reducing():  # all on this stream: overlaps compute
+        # All on the reduce stream: overlaps compute.
+        with nullcontext() if side is None else side.reducing():
             numel = flat.numel() // shard_size
             if custom is None:
                 reduced = flat.new_empty(numel)  # cheaper than torch.empty with dtype and device
@@ -98,9 +99,8 @@ class Reducer:
             if dtypes.is_complex:  # sent as real pairs, as torch.distributed sends them
                 output, input = torch.view_as_real(reduced), torch.view_as_real(flat)
             try:
-                work = reduce_scatter(
-                    output, input, part.reduce_group, shard_size, reduction, custom, async_op=side is None
-                )
+                group, async_op = part.reduce_group, side is None
+                work = reduce_scatter(output, input, group, shard_size, reduction, custom, async_op)
             except RuntimeError as error:
                 raise collective_failed(part.label, "reduce-scatter", shard_size, error) from error
             if side is not None:
@@ -157,11 +157,12 @@ class Reducer:
             try:
                 pending.work.wait()
             except RuntimeError as error:
-                raise collective_failed(part.label, "reduce-scatter", part.mesh.shard_size, error) from error
+                ranks = part.mesh.shard_size
+                raise collective_failed(part.label, "reduce-scatter", ranks, error) from error
         self._buffer.release()
-        final = pending.final
-        if final is None:
-            final = self._post_reduce(pending.params, pending.sizes, pending.output, pending.reduction)
+        if (final := pending.final) is None:
+            r = pending
+            final = self._post_reduce(r.params, r.sizes, r.output, r.reduction)
         if final:
             part.grads.hold(pending.params, pending.sizes, pending.output)
         if observer is not None:

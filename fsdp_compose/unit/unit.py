@@ -92,8 +92,8 @@ class Unit:
         return sum(self.held_by_kind().values())
 
     def adopt_registered(self) -> None:
-        """Once per iteration: a part whose parameters were replaced (ShardedParam.adopt_registered),
-        frozen or unfrozen, or gained or lost all-gather hooks lays out anew."""
+        """Once per iteration: a part whose parameters were replaced (see
+        ShardedParam.adopt_registered), frozen or unfrozen, gained or lost hooks lays out anew."""
         codecs = self.settings.codecs
         for part in self.parts:
             for p in part.params:
