@@ -1,5 +1,5 @@
 """Checkpoints on disk: torch.distributed.checkpoint save and load of model, optimizer and step
-(each rank writes its shards; loads reshard to any world size), and a safetensors export."""
+(each rank writes its shards; loads reshard to any world size)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from ..comm.collectives import barrier, is_first_rank
 from . import resume_state
 from .checkpoint_files import CHECKSUMS, MetadataCheckingReader, check_files, checksums
 from .first_rank import file_error, from_first_rank
-from .full_state_dict import mismatches
 from .resume_state import Stateful
 from .safetensors_writer import INCOMPLETE
+from .whole_weights import mismatches
 
 REPLACED = ".replaced"  # suffix of the previous checkpoint while the new one takes its name
 
@@ -37,12 +37,10 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
     extra: Mapping[str, Stateful] | None = None, rng: bool = False,
 ) -> None:
-    """Save `model`'s and `optimizer`'s state (each rank writes its shards) and the training
-    `step` to the directory `path`; call on every rank. `extra`: objects whose `state_dict()`
-    to keep too, by name (LR schedulers, samplers, data loaders: each rank's own); `rng`: each
-    rank's random number generators (torch's, CUDA's, Python's). It is written to
-    `<path>.incomplete` and renamed to `path` once every rank finished, so a crash mid-save
-    leaves the previous checkpoint (or none) at `path`, never a half-written one."""
+    """Save `model`'s and `optimizer`'s shards and `step` to the directory `path`, on every rank.
+    `extra`: objects whose `state_dict()` to keep too, by name (LR schedulers, data loaders: each
+    rank's own); `rng`: each rank's torch, CUDA and Python generators. Written to
+    `<path>.incomplete`, then renamed: a crash mid-save leaves the previous checkpoint at `path`."""
     path = Path(path)
     staging = path.with_name(path.name + INCOMPLETE)
     state: dict[str, Any] = {"model": dcp_state.get_model_state_dict(model)}
@@ -61,9 +59,8 @@ def save_checkpoint(
 
 
 def _publish(staging: Path, path: Path, sums: str) -> None:
-    """Give the finished checkpoint in `staging` the name `path`. At every moment a complete
-    checkpoint is at `path` or, between the two renames, at `<path>.replaced`, where
-    load_checkpoint looks next."""
+    """Rename `staging` to `path`. A complete checkpoint is always at `path` or, between the
+    two renames, at `<path>.replaced`, where load_checkpoint looks next."""
     replaced = path.with_name(path.name + REPLACED)
     try:
         (staging / CHECKSUMS).write_text(sums)
@@ -73,8 +70,8 @@ def _publish(staging: Path, path: Path, sums: str) -> None:
             path.rename(replaced)
         staging.rename(path)
     except OSError as error:
-        raise file_error(f"save_checkpoint: could not put the checkpoint in place at {str(path)!r} "
-                         f"(written to {str(staging)!r}, the previous one kept)", error) from error
+        raise file_error(f"save_checkpoint: could not put the checkpoint in place at {str(path)!r}"
+                         f" (written to {str(staging)!r}, the previous one kept)", error) from error
     shutil.rmtree(replaced, ignore_errors=True)
 
 
@@ -82,21 +79,16 @@ def load_checkpoint(
     path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     *, extra: Mapping[str, Stateful] | None = None, rng: bool = False,
 ) -> int | None:
-    """Load a checkpoint written by `save_checkpoint` into `model` (and `optimizer`, its param
-    groups whole; `extra` objects by name, `rng` states as saved), at any world size (`extra`
-    and `rng`: each rank its own, or the first rank's where the world size changed); return the
-    saved step (None if none was saved). Call on every rank. A checkpoint torch's DCP recipe
-    saved (`dcp.save({"app": AppState(model, optimizer)})`) loads too.
-
-    It loads everything or changes nothing. Before any tensor moves, the metadata, the
-    model's keys and shapes and every file's size and CRC-32 are checked; a fault raises one
-    ValueError (FileNotFoundError for a missing file) naming the file, the same on every
-    rank. Tensors are read into copies of this rank's state (one more copy at the peak),
-    which replace the originals only once every rank read everything."""
+    """Load what `save_checkpoint` wrote into `model`, `optimizer` (its param groups whole),
+    `extra` and `rng`, at any world size (`extra`, `rng`: each rank its own, else the first
+    rank's); return the saved step or None. Call on every rank. Torch's DCP recipe's checkpoints
+    (`dcp.save({"app": AppState(model, optimizer)})`) load too. It loads everything or changes
+    nothing: metadata, keys, shapes and files' sizes and CRC-32s are checked first (a fault
+    raises the same error on every rank); tensors are read into copies (one more at the peak)."""
     path = Path(path)
     previous = path.with_name(path.name + REPLACED)
-    if not (path / ".metadata").is_file() and (previous / ".metadata").is_file() \
-            and not path.exists():  # a save killed between its renames: the last checkpoint
+    # A save killed between its renames: the checkpoint it replaced is the last one.
+    if not path.exists() and (previous / ".metadata").is_file():
         warnings.warn(f"load_checkpoint: {str(path)!r} is missing, a save into it having stopped; "
                       f"loading the checkpoint it was replacing, {str(previous)!r}.", stacklevel=2)
         path = previous
@@ -118,8 +110,9 @@ def load_checkpoint(
     fresh = optimizer is not None and not optimizer.state
     if optimizer is not None:
         if not any(key.startswith("optim.") for key in saved):
-            raise ValueError(f"load_checkpoint: {str(path)!r} holds no optimizer state; load it without "
-                             "the optimizer, or save with save_checkpoint(path, model, optimizer).")
+            raise ValueError(f"load_checkpoint: {str(path)!r} holds no optimizer state; load it "
+                             "without the optimizer, or save with save_checkpoint(path, model, "
+                             "optimizer).")
         state["optim"] = dcp_state.get_optimizer_state_dict(model, optimizer)
     if "step" in saved:
         state["step"] = torch.tensor(0)
@@ -139,21 +132,19 @@ def load_checkpoint(
 
 def _matched(path: Path, saved: Mapping[str, Any], model_state: Mapping[str, Any]
              ) -> tuple[str, dict[str, Any]]:
-    """The checkpoint's key prefix and its items without it, once its model keys and shapes
-    are found to be the model's (else a ValueError saying how they differ)."""
+    """The checkpoint's key prefix and its items without it; a ValueError unless they fit."""
     prefix = _prefix(path, saved, model_state)
     items = {k.removeprefix(prefix): v for k, v in saved.items() if k.startswith(prefix)}
     shapes = {k.removeprefix("model."): tuple(item.size) for k, item in items.items()
               if k.startswith("model.") and isinstance(item, TensorStorageMetadata)}
-    if problems := mismatches(shapes, {k: tuple(v.shape) for k, v in model_state.items()}):
+    if problems := mismatches(shapes, model_state):
         raise ValueError(f"load_checkpoint: {str(path)!r} does not match the model: {problems}. "
                          "Was it saved from another model or configuration?")
     return prefix, items
 
 
 def _prefix(path: Path, saved: Mapping[str, Any], model_state: Mapping[str, Any]) -> str:
-    """What the checkpoint's keys begin with before "model.": "" for save_checkpoint's, "app."
-    for torch's DCP recipe; else an error showing both key sets' beginnings."""
+    """What keys begin with before "model.": "" for save_checkpoint's, "app." for DCP's recipe."""
     probe = next(iter(model_state), None)
     if probe is None or any(k.startswith("model.") for k in saved):
         return ""
@@ -182,13 +173,12 @@ def _copies(state: Any) -> Any:
 
 
 def _load_failed(path: Path, failed: CheckpointException) -> str:
-    """torch's per-rank failures (the same on every rank) in one message: each cause's first
-    line, with its ranks."""
+    """torch's per-rank failures (the same on every rank): each cause's first line, its ranks."""
     ranks_by_cause: dict[str, list[str]] = {}
     for rank, (error, _) in sorted(failed.failures.items()):
         first_line = (str(error).strip().splitlines() or [""])[0][:200]
         ranks_by_cause.setdefault(f"{type(error).__name__}: {first_line}", []).append(str(rank))
-    causes = "; ".join(f"rank {', '.join(ranks)}: {cause}" for cause, ranks in ranks_by_cause.items())
+    causes = "; ".join(f"rank {', '.join(r)}: {cause}" for cause, r in ranks_by_cause.items())
     return (f"load_checkpoint: reading {str(path)!r} failed ({causes}); the model and optimizer "
             "are unchanged. The checkpoint is damaged: load another one.")
 

@@ -1,6 +1,5 @@
-"""A sharded checkpoint's files, checked before anything is loaded: metadata read with an
-unpickler that accepts only checkpoint metadata, and every data file present, long enough
-and equal to the size and CRC-32 save_checkpoint recorded."""
+"""A sharded checkpoint's files, checked before anything is loaded: .metadata by an unpickler
+that accepts only checkpoint metadata, data files by length and the recorded size and CRC-32."""
 
 from __future__ import annotations
 
@@ -47,24 +46,26 @@ def check_files(path: Path, metadata: Metadata) -> None:
 
 
 def _file_fault(file: Path, end: int, recorded: dict[str, int] | None) -> Exception | None:
+    where = f"load_checkpoint: {str(file)!r}"
     try:
         size = file.stat().st_size
     except FileNotFoundError:
-        return FileNotFoundError(f"load_checkpoint: {str(file)!r} is missing (the checkpoint's .metadata "
-                                 f"or {CHECKSUMS} lists it); nothing was loaded. Load another checkpoint.")
+        return FileNotFoundError(f"{where} is missing (the checkpoint's .metadata or {CHECKSUMS} "
+                                 "lists it); nothing was loaded. Load another checkpoint.")
     if size < end:
-        return ValueError(f"load_checkpoint: {str(file)!r} is truncated: {size} bytes, where the "
-                          f"checkpoint's .metadata places data up to byte {end}; nothing was loaded.")
+        return ValueError(f"{where} is truncated: {size} bytes, where the checkpoint's .metadata "
+                          f"places data up to byte {end}; nothing was loaded.")
     if recorded is not None and (size, _crc32(file)) != (recorded["size"], recorded["crc32"]):
-        return ValueError(f"load_checkpoint: {str(file)!r} is damaged: its size or CRC-32 differs from the "
-                          f"one save_checkpoint recorded in {CHECKSUMS}; nothing was loaded.")
+        return ValueError(f"{where} is damaged: its size or CRC-32 differs from the one "
+                          f"save_checkpoint recorded in {CHECKSUMS}; nothing was loaded.")
     return None
 
 
 def checksums(folder: Path) -> str:
     """Each data file's size and CRC-32, as CHECKSUMS holds them (each rank reads a share)."""
     names = sorted(f.name for f in folder.iterdir() if f.is_file() and not f.name.startswith("."))
-    sums = _shared(names, lambda n: {"size": (folder / n).stat().st_size, "crc32": _crc32(folder / n)})
+    sums = _shared(names, lambda n: {"size": (folder / n).stat().st_size,
+                                     "crc32": _crc32(folder / n)})
     return json.dumps(sums, indent=1, sort_keys=True)
 
 
@@ -99,8 +100,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"load_checkpoint: the checkpoint metadata asks for {module}.{name}, "
-                                     "which is not checkpoint metadata; refusing to unpickle it.")
+        raise pickle.UnpicklingError(f"the checkpoint metadata asks for {module}.{name}, which "
+                                     "is not checkpoint metadata; refusing to unpickle it.")
 
 
 class MetadataCheckingReader(FileSystemReader):
@@ -113,7 +114,7 @@ class MetadataCheckingReader(FileSystemReader):
             with open(file, "rb") as stream:
                 metadata = _MetadataUnpickler(stream).load()
             if not isinstance(metadata, Metadata):
-                raise pickle.UnpicklingError("load_checkpoint: .metadata holds no checkpoint metadata")
+                raise pickle.UnpicklingError(".metadata holds no checkpoint metadata")
         except Exception as error:  # unpickling a damaged file raises almost any type
             raise ValueError(
                 f"load_checkpoint: {str(file)!r} is damaged or truncated ({type(error).__name__}: "

@@ -1,7 +1,6 @@
 """Whole checkpoints in Hugging Face's safetensors layout, streamed a unit at a time so no
 rank holds the whole model. Only the first rank touches the files; it shares its verdict
-(io/first_rank.py) before any tensor moves, after each file and before each loaded batch,
-so every rank raises the same error."""
+(io/first_rank.py) before tensors move, so every rank raises the same error."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from ..comm.collectives import broadcast, is_first_rank
 from .first_rank import file_error, from_first_rank
 from .safetensors_header import DTYPES, Saved, read_headers
 from .safetensors_writer import Entries, Saving, plan_files
-from .whole_weights import full_state_dict_order, iter_full_state_dict, load_whole_items
+from .whole_weights import full_state_dict_order, iter_full_state_dict, load_whole_items, mismatches
 
 _LOAD_BATCH = 64 * 1024**2  # bytes of whole tensors a rank holds before loading them
 
@@ -27,15 +26,12 @@ _LOAD_BATCH = 64 * 1024**2  # bytes of whole tensors a rank holds before loading
 def save_full_state_dict(
     model: nn.Module, path: str | os.PathLike[str], *, max_shard_size: int = 5 * 1024**3
 ) -> None:
-    """Write `model`'s whole state dict (under the names `state_dict()` gives) as safetensors from
-    the first rank, gathered by `iter_full_state_dict` (one all-gather per unit), so a rank holds
-    one unit's gathered bytes and one whole tensor beyond its shards; call on every rank.
-    `path` is a directory (`model.safetensors`, or past `max_shard_size` bytes several files and an
-    index, as `save_pretrained` writes them) or a file name ending in `.safetensors`.
-
-    Files are written as `<name>.incomplete` and renamed once all are written. If the first rank
-    cannot write, it removes what it wrote, files already at `path` stay as they were, and every
-    rank raises the same OSError naming the file."""
+    """Write `model`'s whole state dict as safetensors from the first rank; call on every rank.
+    Gathered a unit at a time (`iter_full_state_dict`): a rank holds one unit's gathered bytes
+    and one whole tensor beyond its shards. `path`: a directory (`model.safetensors`, or past
+    `max_shard_size` bytes several files and an index, as `save_pretrained` writes them) or a
+    `.safetensors` file. Files are written as `<name>.incomplete` and renamed once all are; if
+    one fails, files at `path` stay as they were and every rank raises the same OSError."""
     state = _tensors(model, "save_full_state_dict")  # sharded DTensors: nothing gathered yet
     order = [name for part, names in full_state_dict_order(model)
              for name in (names if part is None else itertools.chain.from_iterable(names))]
@@ -46,11 +42,10 @@ def save_full_state_dict(
         from_first_rank(saving.start if saving is not None else None)
         wholes = iter_full_state_dict(model)  # in `order`
         for _, file_entries in files:
-            for _ in file_entries:
-                _, whole = next(wholes)
+            for _, whole in itertools.islice(wholes, len(file_entries)):
                 if saving is not None:
                     saving.write(whole)
-                del whole
+                del whole  # before the next gather
             from_first_rank(saving.next_file if saving is not None else None)
     except BaseException:
         if saving is not None:
@@ -61,60 +56,48 @@ def save_full_state_dict(
 def load_full_state_dict(
     model: nn.Module, path: str | os.PathLike[str] | Iterable[tuple[str, torch.Tensor]]
 ) -> None:
-    """Load a safetensors checkpoint (a file, or a directory holding `model.safetensors` or
-    an index and its files) into `model`, sharded or not; call on every rank. A missing or
-    damaged checkpoint, or names and shapes other than the model's, raise the same error on
-    every rank before any tensor is sent. `path` may instead be `(name, tensor)` pairs of whole
-    tensors, the same on every rank (another model's `iter_full_state_dict`): each rank keeps
-    its part as they come, and a mismatch changes nothing (io/whole_weights.py)."""
+    """Load a safetensors checkpoint (a file, or a directory holding `model.safetensors` or an
+    index and its files) into `model`, sharded or not; call on every rank. A damaged checkpoint
+    or a mismatch raises the same error on every rank before any tensor is sent. `path` may be
+    `(name, tensor)` pairs of whole tensors instead, the same on every rank (another model's
+    `iter_full_state_dict`): each rank keeps its part as they come (io/whole_weights.py)."""
     if not isinstance(path, (str, os.PathLike)):
         load_whole_items(model, path)
         return
     state = _tensors(model, "load_full_state_dict")
     saved = from_first_rank((lambda: read_headers(Path(path))) if is_first_rank() else None)
-    if problems := mismatches({k: tuple(s.shape) for k, s in saved.items()},
-                              {k: tuple(t.shape) for k, t in state.items()}):
+    if problems := mismatches({k: tuple(s.shape) for k, s in saved.items()}, state):
         raise ValueError(f"load_full_state_dict: the checkpoint at {Path(path)} does not match "
                          f"the model: {problems}")
     reader = _Reader() if is_first_rank() else None
     batch: dict[str, torch.Tensor] = {}
-    size = 0
     for name, target in state.items():
         entry = saved[name]
         device = target.to_local().device if isinstance(target, DTensor) else target.device
         whole = reader.read(name, entry).to(device) if reader is not None else torch.empty(
             entry.shape, dtype=DTYPES[entry.dtype], device=device)
-        if dist.is_initialized():  # the first rank's, on every rank (on `device`: the group sends there)
+        # The first rank's, on every rank (on `device`: the group sends there).
+        if dist.is_initialized():
             broadcast(whole, dist.group.WORLD)  # type: ignore[arg-type]  # set once initialized
         batch[name] = whole.to(target.dtype)
-        size += batch[name].nbytes
-        if size >= _LOAD_BATCH:
+        if sum(t.nbytes for t in batch.values()) >= _LOAD_BATCH:
             _load_batch(model, batch, reader)
-            batch, size = {}, 0
+            batch = {}
     _load_batch(model, batch, reader)
-
-
-def mismatches(saved: dict[str, tuple[int, ...]], model: dict[str, tuple[int, ...]]) -> str:
-    """The names and shapes where a checkpoint (`saved`) and a model differ, in words."""
-    found = {"missing keys": [k for k in model if k not in saved],
-             "unexpected keys": [k for k in saved if k not in model],
-             "shape mismatches": [f"{k!r}: checkpoint {saved[k]}, model {shape}"
-                                  for k, shape in model.items() if k in saved and saved[k] != shape]}
-    return "; ".join(f"{label} {items}" for label, items in found.items() if items)
 
 
 def _tensors(model: nn.Module, caller: str) -> dict[str, torch.Tensor]:
     """The model's state dict, refused if it holds anything safetensors cannot store."""
     state = model.state_dict()
     if others := [k for k, v in state.items() if not isinstance(v, torch.Tensor)]:
-        raise ValueError(f"{caller}: {others} are not tensors (a module's extra state); safetensors stores "
-                         "tensors only. Save such models with save_checkpoint.")
+        raise ValueError(f"{caller}: {others} are not tensors (a module's extra state); "
+                         "safetensors stores tensors only. Save such models with save_checkpoint.")
     return state
 
 
 class _Reader:
-    """The first rank's reads. One that fails sends zeros instead (the other ranks wait for
-    a tensor), and `check` raises its error before the batch is loaded."""
+    """The first rank's reads. One that fails sends zeros (the other ranks wait for a tensor),
+    and `check` raises its error before the batch is loaded."""
 
     _failed: Exception | None = None
 
@@ -145,6 +128,7 @@ def _read(name: str, entry: Saved) -> torch.Tensor:
         f.seek(entry.start)
         # Through the buffer protocol: the bytes go straight into the tensor.
         if f.readinto(tensor.view(-1).view(torch.uint8).numpy().data) != entry.end - entry.start:
-            raise ValueError(f"load_full_state_dict: cannot read {entry.file}: it ends within {name!r} "
-                             f"(bytes {entry.start}..{entry.end}), cut short since its header was checked.")
+            raise ValueError(f"load_full_state_dict: cannot read {entry.file}: it ends within "
+                             f"{name!r} (bytes {entry.start}..{entry.end}), cut short since its "
+                             "header was checked.")
     return tensor

@@ -1,6 +1,5 @@
-"""The safetensors layout as whole checkpoints use it: dtype codes, file names, and a
-checkpoint's headers, checked against its index and its bytes (as the safetensors package
-checks them) before any tensor is read."""
+"""The safetensors layout as whole checkpoints use it: dtype codes, file names, and headers
+checked against their index and bytes (as the safetensors package checks them) before reading."""
 
 from __future__ import annotations
 
@@ -45,11 +44,13 @@ def read_headers(path: Path) -> dict[str, Saved]:
             if name in saved:
                 raise _unreadable(file, f"tensor {name!r} is in {saved[name].file} too")
             saved[name] = tensor
-    if weight_map is not None:  # each tensor is in the file the index names, and no file holds others
+    # Each tensor is in the file the index names, and no file holds others.
+    if weight_map is not None:
         index = path / INDEX_FILE
         for name, file_name in weight_map.items():
             if name not in saved or Path(saved[name].file).name != file_name:
-                raise _unreadable(index, f"it puts {name!r} in {path / file_name}, which does not hold it")
+                raise _unreadable(index, f"it puts {name!r} in {path / file_name}, which does "
+                                  "not hold it")
         if unlisted := [name for name in saved if name not in weight_map]:
             files_holding = sorted({saved[name].file for name in unlisted})
             raise _unreadable(index, f"it does not list {unlisted}, which {files_holding} hold")
@@ -73,17 +74,17 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     except ValueError as error:
         raise _unreadable(index, f"it is not JSON ({error})") from None
     weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
-    if not isinstance(weight_map, dict) or not all(  # files beside the index, by plain name
-        isinstance(name, str) and isinstance(file, str) and file not in ("", "..") and Path(file).name == file
-        for name, file in weight_map.items()
+    # Files beside the index, by plain name.
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(name, str) and isinstance(file, str) and file not in ("", "..")
+        and Path(file).name == file for name, file in weight_map.items()
     ):
         raise _unreadable(index, 'it has no "weight_map" object mapping tensor names to file '
                           'names beside it')
     files = sorted({path / name for name in weight_map.values()})
-    for file in files:
-        if not file.is_file():
-            raise FileNotFoundError(f"load_full_state_dict: {index} names {file.name}, but {file} "
-                                    "does not exist.")
+    if absent := [file for file in files if not file.is_file()]:
+        raise FileNotFoundError(f"load_full_state_dict: {index} names {absent[0].name}, but "
+                                f"{absent[0]} does not exist.")
     return files, weight_map
 
 
@@ -99,7 +100,8 @@ def _read_header(file: Path) -> dict[str, Saved]:
             raise _unreadable(file, f"its header size ({header_size} bytes) runs past the end "
                               f"of the file ({size} bytes)")
         if header_size > _MAX_HEADER:
-            raise _unreadable(file, f"its header size ({header_size} bytes) is over safetensors' limit")
+            raise _unreadable(file, f"its header size ({header_size} bytes) is over "
+                              "safetensors' limit")
         try:
             header = json.loads(f.read(header_size).decode())
         except UnicodeDecodeError as error:  # a ValueError too
@@ -110,20 +112,20 @@ def _read_header(file: Path) -> dict[str, Saved]:
         raise _unreadable(file, f"its header is a JSON {type(header).__name__}, not an object")
     if not isinstance(header.get("__metadata__", {}), dict):
         raise _unreadable(file, "its header's __metadata__ is not an object")
-    ranges = {name: _byte_range(file, name, info) for name, info in header.items() if name != "__metadata__"}
+    ranges = {name: _byte_range(file, name, info)
+              for name, info in header.items() if name != "__metadata__"}
     _check_layout(file, ranges, size - 8 - header_size)
     start = 8 + header_size
-    return {
-        name: Saved(str(file), header[name]["dtype"], header[name]["shape"], start + begin, start + end)
-        for name, (begin, end) in ranges.items()
-    }
+    return {n: Saved(str(file), header[n]["dtype"], header[n]["shape"], start + b, start + e)
+            for n, (b, e) in ranges.items()}
 
 
 def _byte_range(file: Path, name: str, info: object) -> tuple[int, int]:
     """Where tensor `name` is in the data, once its dtype and shape are checked to fill it."""
     keys = ("dtype", "shape", "data_offsets")
     if not isinstance(info, dict) or any(key not in info for key in keys):
-        raise _unreadable(file, f"tensor {name!r} is {info!r}, not an object with keys {list(keys)}")
+        raise _unreadable(file, f"tensor {name!r} is {info!r}, not an object with keys "
+                          f"{list(keys)}")
     dtype, shape, offsets = (info[key] for key in keys)
     if dtype not in DTYPES:
         raise _unreadable(file, f"tensor {name!r} has dtype {dtype!r}, not one of {sorted(DTYPES)}")
@@ -134,7 +136,8 @@ def _byte_range(file: Path, name: str, info: object) -> tuple[int, int]:
     nbytes = math.prod(shape) * DTYPES[dtype].itemsize
     if offsets[1] - offsets[0] != nbytes:
         raise _unreadable(file, f"tensor {name!r} of shape {shape} and dtype {dtype} takes "
-                          f"{nbytes} bytes, but its data_offsets {offsets} hold {offsets[1] - offsets[0]}")
+                          f"{nbytes} bytes, but its data_offsets {offsets} hold "
+                          f"{offsets[1] - offsets[0]}")
     return offsets[0], offsets[1]
 
 
@@ -144,7 +147,7 @@ def _sizes(value: object) -> bool:
 
 
 def _check_layout(file: Path, ranges: dict[str, tuple[int, int]], data_size: int) -> None:
-    """The byte ranges tile the data exactly (a file cut short at a tensor boundary fails only here)."""
+    """The byte ranges tile the data exactly (a file cut at a tensor boundary fails only here)."""
     end, previous = 0, None
     for name, (begin, stop) in sorted(ranges.items(), key=lambda item: item[1]):
         if begin > end:

@@ -42,7 +42,8 @@ def plan_files(path: Path, entries: Entries, max_shard_size: int) -> list[tuple[
         size += tensor_bytes
     if len(groups) == 1:
         return [(path / SINGLE_FILE, groups[0])]
-    return [(path / f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", g) for i, g in enumerate(groups)]
+    return [(path / f"model-{i:05d}-of-{len(groups):05d}.safetensors", group)
+            for i, group in enumerate(groups, 1)]
 
 
 class _Writer:
@@ -54,9 +55,8 @@ class _Writer:
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for name, dtype, shape in entries:
-            end = offset + nbytes(dtype, shape)
-            header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
-            offset = end
+            offsets = [offset, offset := offset + nbytes(dtype, shape)]
+            header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": offsets}
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
         self.file: BinaryIO = open(self.staging, "wb")
@@ -68,9 +68,9 @@ class _Writer:
 
 
 class Saving:
-    """The first rank's side of a save, a file after another (see the module's docstring). A
-    failure removes the staging files and raises an OSError naming the file; one while tensors
-    stream in waits for the file's last tensor (the other ranks gather them): `next_file` raises it."""
+    """The first rank's side of a save, a file after another. A failure removes the staging
+    files and raises an OSError naming the file; one while tensors stream in waits for the
+    file's last tensor (the other ranks gather them): `next_file` raises it."""
 
     def __init__(self, path: Path, files: list[tuple[Path, Entries]]) -> None:
         self._path = path
@@ -83,14 +83,14 @@ class Saving:
         with an unclear error (a file where a directory goes); open the first file."""
         for file, _ in self._files:
             if file.is_dir():
-                raise IsADirectoryError(errno.EISDIR, f"save_full_state_dict: cannot write {file}: it is a "
-                                        "directory. Remove it, or pass a path without .safetensors to save "
-                                        "into it.")
+                raise IsADirectoryError(errno.EISDIR, f"save_full_state_dict: cannot write {file}: "
+                                        "it is a directory. Remove it, or pass a path without "
+                                        ".safetensors to save into it.")
         first = self._files[0][0]
         above = next((p for p in first.parents if p.exists()), None)
         if above is not None and not above.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, f"save_full_state_dict: cannot write {first}: {above} "
-                                     "is a file, not a directory.")
+            raise NotADirectoryError(errno.ENOTDIR, f"save_full_state_dict: cannot write {first}: "
+                                     f"{above} is a file, not a directory.")
         self._open_next()
 
     def write(self, tensor: torch.Tensor) -> None:
@@ -116,7 +116,7 @@ class Saving:
             with self._failing(writer.path):
                 writer.staging.replace(writer.path)
         if len(self._files) > 1:
-            weight_map = {name: file.name for file, entries in self._files for name, _, _ in entries}
+            weight_map = {name: file.name for file, group in self._files for name, _, _ in group}
             total = sum(nbytes(*entry[1:]) for _, entries in self._files for entry in entries)
             staging = self._path / (INDEX_FILE + INCOMPLETE)
             with self._failing(self._path / INDEX_FILE):

@@ -1,15 +1,11 @@
-"""A model's weights whole, unit by unit: `iter_full_state_dict` gathers each unit's shards with
-one all-gather per mesh (in the parameters' own dtypes, as bytes: exact values, whatever the
-unit sends in training; a unit larger than its largest tensor or 4 MiB, in pieces of that
-size) and hands the tensors out one at a time, so a rank holds its shards, one gather's bytes
-and the tensor it hands out (a lone large one: a view of its gathered rows). For sending
-weights to an inference engine, or to disk (save_full_state_dict). And back in:
+"""A model's weights whole, unit by unit: `iter_full_state_dict` gathers each unit's shards and
+hands the tensors out one at a time (to an inference engine, or save_full_state_dict), and
 `load_whole_items` takes such tensors from any source, each rank keeping its part."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -26,11 +22,12 @@ _GATHER_BYTES = 4 * 2**20  # the least a gather may hold: a unit of small tensor
 
 def iter_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` for every entry of `model.state_dict()` once, whole (the values
-    `full_tensor()` gives; cast to `dtype` if given, floating point ones only), unit by unit;
-    call on every rank and consume every item (each unit's all-gather is a collective). A
-    tensor-parallel parameter is gathered over its tensor-parallel mesh too (one all-gather
-    each). The order is `full_state_dict_order(model)`."""
+    """Yield `(name, tensor)` for every entry of `model.state_dict()` once, whole (as
+    `full_tensor()` gives; floating point ones cast to `dtype` if given), in the order of
+    `full_state_dict_order(model)`; call on every rank and consume every item (gathers are
+    collectives). One all-gather per mesh and unit (or piece of at least 4 MiB), as bytes in the
+    parameters' own dtypes: exact values. A rank holds its shards, one gather's bytes and the
+    tensor handed out; a tensor-parallel parameter is gathered over its own mesh too."""
     order = full_state_dict_order(model)
     # A gather's bytes: at most the largest parameter's (alone, it is handed out as a view of
     # its gathered rows), or more small ones together.
@@ -43,7 +40,8 @@ def iter_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
                 yield name, _cast(_whole(state[name]), dtype)
             continue
         # Shards with all-gather hooks of their own (tensor subclasses): their own gather.
-        hooked = [(p, n) for p, n in zip(part.params, names) if p.extension and not p.extension.hooks]
+        hooked = [(p, n) for p, n in zip(part.params, names)
+                  if p.extension and not p.extension.hooks]
         for p, name_group in hooked:
             if name_group:
                 whole = p.sharded.full_tensor()  # type: ignore[attr-defined]
@@ -84,8 +82,7 @@ def full_state_dict_order(model: nn.Module) -> list[tuple[MeshPart | None, list[
 
 def _chunks(params: list[tuple[ShardedParam, list[str]]], cap: int
             ) -> Iterator[list[tuple[ShardedParam, list[str]]]]:
-    """Consecutive runs of the parameters with names, each of at most `cap` gathered bytes
-    (or one parameter)."""
+    """Runs of the named parameters, each of at most `cap` gathered bytes (or one parameter)."""
     chunk: list[tuple[ShardedParam, list[str]]] = []
     size = 0
     for p, names in params:
@@ -129,35 +126,39 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def load_whole_items(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load whole tensors, `(name, tensor)` in any order (every rank the same: another model's
     iter_full_state_dict, a safetensors reader on each rank), into `model`, sharded or not.
-    Each rank keeps its own part of each tensor as it arrives (one copy of its shards at the
-    peak, beside the tensor arriving); names and shapes other than the model's raise the same
-    ValueError on every rank before the model changes."""
+    Each rank keeps its part of each tensor as it arrives (one copy of its shards at the peak);
+    a mismatch raises the same ValueError on every rank before the model changes."""
     state = model.state_dict()
     sharded = {name: p for part, names in full_state_dict_order(model) if part is not None
                for p, group in zip(part.params, names) for name in group}
+    given: dict[str, tuple[int, ...]] = {}
     staged: dict[str, torch.Tensor] = {}
-    unexpected, shapes = [], []
     for name, whole in items:
+        given[name] = tuple(whole.shape)
         target = state.get(name)
-        if target is None:
-            unexpected.append(name)
-        elif tuple(whole.shape) != tuple(target.shape):
-            shapes.append(f"{name!r}: given {tuple(whole.shape)}, model {tuple(target.shape)}")
-        else:
+        if target is not None and given[name] == tuple(target.shape):
             staged[name] = _part_of(whole.detach(), target, sharded.get(name))
-    missing = [name for name in state if name not in staged]
-    found = {"missing keys": missing, "unexpected keys": unexpected, "shape mismatches": shapes}
-    problem = "; ".join(f"{label} {names}" for label, names in found.items() if names) or None
+    problem = mismatches(given, state, "given") or None
     if errors := [p for p in every_rank(problem) if p is not None]:
         raise ValueError(f"load_full_state_dict: the tensors given do not match the model: "
                          f"{errors[0]}; nothing was loaded.")
     model.load_state_dict(staged)
 
 
+def mismatches(saved: Mapping[str, tuple[int, ...]], model_state: Mapping[str, Any],
+               source: str = "checkpoint") -> str:
+    """Where the names and shapes `saved` (or given) and a model's state dict differ, in words."""
+    model = {k: tuple(v.shape) for k, v in model_state.items()}
+    found = {"missing keys": [k for k in model if k not in saved],
+             "unexpected keys": [k for k in saved if k not in model],
+             "shape mismatches": [f"{k!r}: {source} {saved[k]}, model {shape}"
+                                  for k, shape in model.items() if saved.get(k, shape) != shape]}
+    return "; ".join(f"{label} {items}" for label, items in found.items() if items)
+
+
 def _part_of(whole: torch.Tensor, target: torch.Tensor, ours: ShardedParam | None) -> torch.Tensor:
-    """This rank's part of `whole`, laid out as `target` (a DTensor: its shard), a copy; of a
-    parameter of ours cut as its shard is (a view, then copied: DTensor's own split copies
-    `whole` first)."""
+    """This rank's part of `whole`, laid out as `target` (a DTensor: its shard), a copy; ours cut
+    as its shard is (a view, then copied: DTensor's own split copies `whole` first)."""
     if not isinstance(target, DTensor):
         return whole.to(target.device, target.dtype, copy=True)
     whole = whole.to(target.to_local().device, target.dtype)
