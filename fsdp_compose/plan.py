@@ -21,6 +21,7 @@ import sys
 import textwrap
 import types
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,100 +33,75 @@ from .tools.planner import LossFn, Plan, parse_size, plan, ranking, size, table
 __all__ = ["main", "parse_size"]
 
 
-def _budget_argument(text: str) -> str:
-    """--budget, checked as plan() parses it, and kept as written for the output."""
-    try:
-        parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text.strip()
-
-
-def _model_argument(text: str) -> str:
-    if text not in ("gpt", "llama") and not re.fullmatch(r"[\w.]+:\w+", text):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not gpt, llama or package.module:factory (a function returning "
-            "(model, sample_input))")
-    return text
-
-
 def _factory(spec: str) -> tuple[Callable[[], nn.Module], Any, LossFn | None]:
     """`package.module:factory` imported; its builder, sample input and loss (None: default)."""
     module_name, name = spec.split(":")
     sys.path.insert(0, os.getcwd())  # as python -m finds the current folder's modules
     factory = getattr(importlib.import_module(module_name), name)
     made = factory()
-    sample_input, loss = made[1], (made[2] if len(made) > 2 else None)
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return factory()[0]  # type: ignore[no-any-return]
-    return build, sample_input, loss
+    return lambda: factory()[0], made[1], (made[2] if len(made) > 2 else None)
 
 
-def _model(args: argparse.Namespace) -> tuple[Callable[[], nn.Module], LossFn]:
-    """The builder of the model `args` describe, and its loss."""
+def _model(args: argparse.Namespace) -> tuple[Callable[[], nn.Module], torch.Tensor, LossFn]:
+    """The builder of the model `args` describe, a batch of random tokens, and its loss."""
+    batch = torch.randint(args.vocab, (args.batch, args.seq),
+                          generator=torch.Generator().manual_seed(0))
     if args.model == "gpt":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
         from train_gpt import GPT  # type: ignore[import-not-found]
 
-        def make() -> nn.Module:
-            return GPT(args.vocab, args.dim, args.heads, args.depth, args.seq)  # type: ignore[no-any-return]
-
         def loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
             logits = model(batch[:, :-1])
             return nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-    else:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        return partial(GPT, args.vocab, args.dim, args.heads, args.depth, args.seq), batch, loss
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(
-            vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=4 * args.dim,
-            num_hidden_layers=args.depth, num_attention_heads=args.heads,
-            num_key_value_heads=max(1, args.heads // 2), max_position_embeddings=args.seq,
-        )
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=4 * args.dim,
+        num_hidden_layers=args.depth, num_attention_heads=args.heads,
+        num_key_value_heads=max(1, args.heads // 2), max_position_embeddings=args.seq,
+    )
 
-        def make() -> nn.Module:
-            return LlamaForCausalLM(config)  # type: ignore[no-untyped-call, unused-ignore]
-
-        def loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-            return model(input_ids=batch, labels=batch).loss  # type: ignore[no-any-return]
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return make()
-    return build, loss
+    def llama_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=batch, labels=batch).loss  # type: ignore[no-any-return]
+    return partial(LlamaForCausalLM, config), batch, llama_loss
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_compose.plan", description=" ".join(__doc__.split("\n\n")[0].split()),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", type=_model_argument, default="gpt",
-                        help="gpt, llama, or package.module:factory returning (model, sample_input)")
+    parser.add_argument("--model", default="gpt",
+                        help="gpt, llama, or package.module:factory() -> (model, sample_input)")
     parser.add_argument("--world-size", type=int, default=8, help="ranks simulated")
-    parser.add_argument("--budget", type=_budget_argument,
-                        help="memory per rank: 64MiB (2^20 bytes each), 64MB (10^6), 2048 (bytes)")
-    for flag, default in (("--vocab", 128), ("--dim", 64), ("--heads", 4), ("--depth", 4), ("--seq", 32)):
-        parser.add_argument(flag, type=int, default=default, help="gpt and llama only")
+    parser.add_argument("--budget", help="memory per rank: 64MiB (2^20 bytes each), 64MB (10^6), "
+                        "2048 (bytes)")
+    for flag, default in dict(vocab=128, dim=64, heads=4, depth=4, seq=32).items():
+        parser.add_argument(f"--{flag}", type=int, default=default, help="gpt and llama only")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank (gpt, llama)")
     args = parser.parse_args(argv)
-    sample: Any
-    if ":" in args.model:
-        build, sample, loss = _factory(args.model)
-    else:
-        build, loss = _model(args)
-        sample = torch.randint(args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    budget = None if args.budget is None else parse_size(args.budget)
-    plans = plan(build, world_size=args.world_size, sample_input=sample, memory_budget=budget, loss_fn=loss)
+    if args.model not in ("gpt", "llama") and not re.fullmatch(r"[\w.]+:\w+", args.model):
+        parser.error(f"argument --model: {args.model!r} is not gpt, llama or package.module:"
+                     "factory (a function returning (model, sample_input))")
+    try:  # before any model is built
+        budget = None if args.budget is None else parse_size(args.budget)
+    except ValueError as e:
+        parser.error(f"argument --budget: {e}")
+    make, sample, loss = _factory(args.model) if ":" in args.model else _model(args)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return make()
+    plans = plan(build, world_size=args.world_size, sample_input=sample, memory_budget=budget,
+                 loss_fn=loss)
     # The budget as read, how the setups are ranked, their table, and the best one's calls.
-    read = "" if budget is None else f", budget {args.budget} = {budget:,} bytes ({size(budget)}) per rank"
+    read = "" if budget is None else (
+        f", budget {args.budget.strip()} = {budget:,} bytes ({size(budget)}) per rank")
     print(f"{args.model}, {args.world_size} ranks{read}.")
     print(textwrap.fill(ranking(budget is not None) + " Best first:", width=92) + "\n")
     print(table(plans))
-    if plans[0].fits is not False:
-        print("\nrealised by:\n" + plans[0].code)
-    else:
-        print("\nno setup fits the budget (nearest first above): more ranks, or a smaller batch per rank")
+    print("\nrealised by:\n" + plans[0].code if plans[0].fits is not False else "\nno setup fits "
+          "the budget (nearest first above): more ranks, or a smaller batch per rank")
 
 
 class _CallableModule(types.ModuleType):

@@ -17,17 +17,18 @@ from ..comm.meshes import mesh_device
 
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-    """Scale the gradients of `parameters` so their global norm is at most `max_norm`; return the norm
-    before scaling, the same on every rank. Gradients may be DTensors on any meshes (fully sharded, HSDP,
-    tensor parallel) or plain tensors (replicated). Call it on every rank with the same parameters."""
+    """Scale the gradients of `parameters` to a global norm of at most `max_norm`; return the
+    norm before scaling, the same on every rank. Gradients may be DTensors on any meshes (FSDP,
+    HSDP, TP) or plain, replicated tensors. Call it on every rank with the same parameters."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
     total = total_norm(grads, float(norm_type))
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {total.item()}; "
-                           "pass error_if_nonfinite=False to scale anyway (the gradients become non-finite).")
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is "
+                           f"{total.item()}; pass error_if_nonfinite=False to scale anyway "
+                           "(the gradients become non-finite).")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
@@ -46,12 +47,13 @@ def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     parts = []
     for (mesh, dims), locals_ in groups.items():
         # An empty shard (dim 0 shorter than the mesh) contributes nothing.
-        norms = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in locals_ if t.numel()]
+        norms = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32)
+                 for t in locals_ if t.numel()]
         stacked = torch.stack(norms) if norms else torch.zeros(1, device=locals_[0].device)
         part = stacked.max() if is_max else stacked.pow(norm_type).sum()
-        if dims:
-            assert mesh is not None  # dims come with a DTensor's mesh (_shard_dims)
-            part = part.to(mesh_device(mesh))  # CPU-offloaded gradients reduce on the mesh's device
+        if mesh is not None and dims:
+            # CPU-offloaded gradients reduce on the mesh's device.
+            part = part.to(mesh_device(mesh))
             for dim in dims:
                 all_reduce(part, ReduceOp.MAX if is_max else ReduceOp.SUM, mesh.get_group(dim))
         parts.append(part)
@@ -62,12 +64,11 @@ def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 def _shard_dims(grad: torch.Tensor) -> tuple[DeviceMesh | None, tuple[int, ...]]:
     if not isinstance(grad, DTensor):
         return None, ()
-    dims = []
-    for dim, placement in enumerate(grad.placements):
-        if placement.is_partial():
-            raise ValueError(f"clip_grad_norm_: a gradient has a Partial placement on mesh dim {dim} "
-                             f"({grad.placements}); its norm needs the reduced gradient. Reduce it first "
-                             "(e.g. grad.redistribute(..., Replicate())) or let the backward finish.")
-        if placement.is_shard() or isinstance(placement, _StridedShard):  # FSDP over TP rows
-            dims.append(dim)
+    if any(p.is_partial() for p in grad.placements):
+        raise ValueError(f"clip_grad_norm_: a gradient has a Partial placement ({grad.placements});"
+                         " its norm needs the reduced gradient. Reduce it first (e.g. grad."
+                         "redistribute(..., Replicate())) or let the backward finish.")
+    placements = enumerate(grad.placements)
+    # _StridedShard: FSDP over TP rows.
+    dims = (d for d, p in placements if p.is_shard() or isinstance(p, _StridedShard))
     return grad.device_mesh, tuple(dims)

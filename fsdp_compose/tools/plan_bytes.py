@@ -22,8 +22,7 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(i?)(b?)|(b?))\s*", r
 
 def parse_size(text: str) -> int:
     """"64MiB" (64 x 2^20), "64MB" (64 x 10^6), "2048" or "2048B" as bytes, in any case.
-    ValueError for anything else, and for a unit without its B ("64M", "64Mi"), which
-    people write for either."""
+    ValueError for anything else, and for a unit without its B ("64M", "64Mi"): ambiguous."""
     match = _SIZE.fullmatch(text)
     if match is None:
         raise ValueError(f"not a size: {text!r} (e.g. 64MiB = 64 x 2^20 bytes, 64MB = 64 x "
@@ -33,6 +32,7 @@ def parse_size(text: str) -> int:
         return int(Decimal(number))
     two, ten = _POWERS[unit]
     if not b:
+        decimal = unit if unit == "k" else unit.upper()
         raise ValueError(f"an ambiguous size: {text!r}; say {number}{unit.upper()}iB (2^{two} "
-                         f"bytes) or {number}{unit if unit == 'k' else unit.upper()}B (10^{ten} bytes)")
+                         f"bytes) or {number}{decimal}B (10^{ten} bytes)")
     return int(Decimal(number) * (2**two if binary else 10**ten))

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..api.activation_checkpointing import checkpoint_blocks
 from ..api.fully_shard import fully_shard
-from ..param.policies import CPUOffloadPolicy
+from ..param.policies import CPUOffloadPolicy, OffloadPolicy
 from .plan_bytes import size
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -33,14 +33,13 @@ class Setup:
         layers = block_list(model, blocks)
         if self.checkpoint_every is not None:
             checkpoint_blocks(model, type(layers[0]), every=self.checkpoint_every)
-        options: dict[str, Any] = {"mesh": mesh}
-        if self.cpu_offload:
-            options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
+        pin = torch.accelerator.is_available()
+        offload = CPUOffloadPolicy(pin_memory=pin) if self.cpu_offload else OffloadPolicy()
         k = self.blocks_per_unit
         for i in range(0, len(layers), k):
-            unit = list(layers[i:i + k]) if k > 1 else layers[i]
-            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
-        fully_shard(model, **options)
+            fully_shard(list(layers[i:i + k]) if k > 1 else layers[i], mesh=mesh,
+                        reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
+        fully_shard(model, mesh=mesh, offload_policy=offload)
 
     def code(self, blocks: str, block_class: str) -> str:
         """The calls that realise it, for a model named `model`."""
@@ -61,9 +60,10 @@ class Setup:
         """In words: "1 block(s)/unit, reshard_after_forward=True, no activation checkpointing"."""
         every = self.checkpoint_every
         checkpointing = "no activation checkpointing" if every is None else (
-            "activation checkpointing of " + ("every block" if every == 1 else f"1 block in {every}"))
-        return (f"{self.blocks_per_unit} block(s)/unit, reshard_after_forward={self.reshard_after_forward}, "
-                f"{checkpointing}" + (", CPU offload" if self.cpu_offload else ""))
+            f"activation checkpointing of {'every block' if every == 1 else f'1 block in {every}'}")
+        return (f"{self.blocks_per_unit} block(s)/unit, reshard_after_forward="
+                f"{self.reshard_after_forward}, {checkpointing}"
+                + (", CPU offload" if self.cpu_offload else ""))
 
 
 @dataclasses.dataclass

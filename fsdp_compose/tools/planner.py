@@ -1,12 +1,16 @@
 """plan(): try candidate setups of a model in one process before running it, and rank them.
-Each trains two AdamW steps as rank 0 of a `world_size`-rank job on the fake process group, under
-MemTracker (the peak) and a dispatch mode counting collective bytes. Re-exports the planner (__all__)."""
+Each trains two AdamW steps as rank 0 of `world_size` ranks on the fake process group, under
+MemTracker (the peak) and a dispatch mode counting collective bytes; tells its progress on
+stderr, its plans as a table. Re-exports the planner (__all__)."""
 
 from __future__ import annotations
 
+import shutil
+import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -17,7 +21,6 @@ from torch.utils._pytree import tree_leaves
 
 from .plan_bound import ModelSizes, device_total, model_sizes, move_batch, peak_lower_bound
 from .plan_bytes import parse_size, size
-from .plan_report import Progress, ranking, table
 from .plan_setup import LossFn, Plan, Setup, block_list
 
 __all__ = ["LossFn", "ModelSizes", "Plan", "Setup", "candidates", "model_sizes", "parse_size",
@@ -28,26 +31,28 @@ def plan(build_model: Callable[[], nn.Module], *, world_size: int, sample_input:
          memory_budget: int | str | None = None, loss_fn: LossFn | None = None,
          setups: Sequence[Setup] | None = None, blocks: str | None = None,
          device: torch.device | str | None = None, quiet: bool = False) -> list[Plan]:
-    """Simulate `setups` (default: `candidates(...)`) of `build_model()`, trained with AdamW on
-    `sample_input` (one rank's batch; `loss_fn(model, input)`, default the output's sum), as rank 0 of
-    `world_size` ranks on `device` (default: the accelerator, else the CPU), in this process, which must
-    have no process group. Under `memory_budget` (bytes, or a size such as "4MiB") a setup whose
-    peak_lower_bound exceeds it is not simulated (`simulated` False, the bound as its peak). Returns the
-    plans ranked as ranking() says; unless `quiet`, says on stderr which setup it is on."""
+    """Simulate `setups` (default: `candidates(...)`) of `build_model()` trained with AdamW on
+    `sample_input`, one rank's batch (loss: `loss_fn(model, input)`, default the output's sum),
+    as rank 0 of `world_size` ranks on `device` (default: the accelerator, else the CPU), here,
+    with no process group. Under `memory_budget` (bytes, or a size: "4MiB") a setup whose
+    peak_lower_bound exceeds it is not simulated (`simulated` False, the bound as its peak).
+    Returns the plans ranked as ranking() says; unless `quiet`, says on stderr which it is on."""
     try:  # before any simulation: a typo costs no minutes
         budget = parse_size(memory_budget) if isinstance(memory_budget, str) else memory_budget
     except ValueError as e:
         raise ValueError(f"plan: memory_budget is {e}") from None
     if dist.is_initialized():
         raise RuntimeError("plan: a process group is initialised here; plan() simulates its own "
-                           "(fake) one. Call it before init_process_group, or in a separate process.")
+                           "(fake) one. Call it before init_process_group, or in a separate "
+                           "process.")
     on = _device(device)
     model = build_model()
     if not blocks:  # the dotted name of the model's largest ModuleList of one class
         lists = [(len(m), name) for name, m in model.named_modules()
                  if isinstance(m, nn.ModuleList) and len(m) and len({type(b) for b in m}) == 1]
         if not lists:
-            raise ValueError(f"plan: {type(model).__name__} has no ModuleList of blocks; pass blocks=")
+            raise ValueError(f"plan: {type(model).__name__} has no ModuleList of blocks; "
+                             "pass blocks=")
         blocks = str(max(lists)[1])
     layers = block_list(model, blocks)
     # Named before fully_shard makes it FSDP<Name>: the printed calls name the user's class.
@@ -64,7 +69,8 @@ def plan(build_model: Callable[[], nn.Module], *, world_size: int, sample_input:
         except (RuntimeError, NotImplementedError) as e:  # OutOfMemoryError is a RuntimeError
             # The unsharded model cannot run here: too large for the device, or parameters on
             # the meta device that only fully_shard initialises.
-            progress.note(f"no lower bounds, every setup simulated: the unsharded model failed ({e})")
+            progress.note("no lower bounds, every setup simulated: the unsharded model failed "
+                          f"({e})")
     for k, setup in enumerate(setups, 1):
         code = setup.code(blocks, block_class)
         least = 0 if sizes is None else peak_lower_bound(sizes, setup, world_size)
@@ -75,7 +81,8 @@ def plan(build_model: Callable[[], nn.Module], *, world_size: int, sample_input:
             continue
         progress.show(k, f"simulating {setup.describe()}")
         peak, sent = _simulate(build_model, setup, world_size, sample_input, loss_fn, blocks, on)
-        plans.append(Plan(setup, peak, sent, None if budget is None else peak <= budget, code, budget))
+        fits = None if budget is None else peak <= budget
+        plans.append(Plan(setup, peak, sent, fits, code, budget))
     progress.finish(sum(not p.simulated for p in plans))
     return sorted(plans, key=_rank)
 
@@ -87,6 +94,29 @@ def _rank(p: Plan) -> tuple[bool, bool, int, float, bool, int, int]:
     recompute = 1 / p.setup.checkpoint_every if p.setup.checkpoint_every else 0.0
     return (p.fits is False, not p.simulated, miss, recompute, p.setup.cpu_offload,
             p.bytes_per_step or 0, p.peak_bytes)
+
+
+def table(plans: Sequence[Plan]) -> str:
+    """`plans` as aligned columns: setup, peak, bytes per step, (under a budget) verdict."""
+    budgeted = any(p.fits is not None for p in plans)
+    # Without a budget every verdict is "", and rstrip() drops its column.
+    rows = [["setup", "peak per rank", "communicated per step", "verdict" if budgeted else ""]]
+    rows += [[p.setup.describe(), p.peak_words(), "(not simulated)" if p.bytes_per_step is None
+              else size(p.bytes_per_step), p.verdict()] for p in plans]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  " + "   ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                     for row in rows)
+
+
+def ranking(budgeted: bool) -> str:
+    """How plan() orders its plans (_rank), in words."""
+    costs = ("by less recomputation (a smaller share of blocks checkpointed), then no CPU "
+             "offload, then fewer bytes communicated, then a lower peak")
+    if not budgeted:
+        return f"Ranked {costs}."
+    return (f"Ranked: the setups that fit the budget first, {costs}; then those over it, the "
+            "lowest simulated peak (the nearest miss) first; last, those a lower bound of the "
+            "peak rules out without simulating, the lowest bound first.")
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -128,8 +158,9 @@ class _CollectiveBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _simulate(build_model: Callable[[], nn.Module], setup: Setup, world_size: int, sample_input: Any,
-              loss_fn: LossFn, blocks: str, device: torch.device) -> tuple[int, int]:
+def _simulate(build_model: Callable[[], nn.Module], setup: Setup, world_size: int,
+              sample_input: Any, loss_fn: LossFn, blocks: str,
+              device: torch.device) -> tuple[int, int]:
     """`setup`'s peak per rank and bytes communicated per step."""
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore  # no public fake group
@@ -146,8 +177,8 @@ def _simulate(build_model: Callable[[], nn.Module], setup: Setup, world_size: in
             # MemTracker's post-accumulate-grad hook runs after ours took the unsharded
             # gradient (it finds .grad None and warns); it tracked the gradient when autograd
             # made it, so the peak is right.
-            warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass of "
-                                    "tensor", UserWarning, "torch.distributed._tools.mem_tracker")
+            warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass",
+                                    UserWarning, "torch.distributed._tools.mem_tracker")
             for _ in range(2):  # the second step holds AdamW's state too
                 loss_fn(model, batch).backward()
                 optim.step()
@@ -160,3 +191,35 @@ def _simulate(build_model: Callable[[], nn.Module], setup: Setup, world_size: in
         return peak, counted.nbytes
     finally:
         dist.destroy_process_group()
+
+
+class Progress:
+    """Which candidate plan() is on, on stderr: a line each, or on a terminal one with a bar."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.total, self.started = total, time.monotonic()
+        # Looked up at the call, not import: tests and callers redirect it. None: say nothing.
+        self.stream: TextIO | None = None if quiet else sys.stderr
+        self.tty = self.stream is not None and self.stream.isatty()
+
+    def show(self, k: int, what: str) -> None:
+        line = f"candidate {k} of {self.total}, {time.monotonic() - self.started:.1f} s: {what}"
+        done = 20 * (k - 1) // self.total
+        self._say(f"[{'#' * done}{'.' * (20 - done)}] {line}" if self.tty else f"plan: {line}")
+
+    def note(self, text: str) -> None:
+        if self.stream is not None:
+            print(f"plan: {text}", file=self.stream, flush=True)
+
+    def finish(self, ruled_out: int) -> None:
+        self._say(f"plan: {self.total} setups in {time.monotonic() - self.started:.1f} s, "
+                  f"{ruled_out} ruled out by a lower bound without simulating", end="\n")
+
+    def _say(self, line: str, end: str = "") -> None:
+        # On a terminal, over the last line (`end` "\n" ends it), cut to the terminal's
+        # width: a line that wraps cannot be rewritten by \r.
+        if self.tty:
+            width = shutil.get_terminal_size().columns - 1
+            print("\r" + line[:width].ljust(width), end=end, file=self.stream, flush=True)
+        elif self.stream is not None:
+            print(line, file=self.stream, flush=True)
