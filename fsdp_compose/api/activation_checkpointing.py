@@ -12,10 +12,10 @@ def checkpoint_blocks(model: nn.Module, block_class: type[nn.Module], every: int
     recomputation reuses the parameters backward gathered."""
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"checkpoint_blocks: every must be a positive int, got {every!r}")
-    blocks = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, block_class)]
-    if not blocks:
-        raise ValueError(f"checkpoint_blocks: {type(model).__name__} has no {block_class.__name__} modules")
-    chosen = blocks[::every]
+    chosen = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, block_class)][::every]
+    if not chosen:
+        raise ValueError(f"checkpoint_blocks: {type(model).__name__} has no "
+                         f"{block_class.__name__} modules")
     for _, block in chosen:
         checkpoint(block)
     return [fqn for fqn, _ in chosen]

@@ -29,16 +29,17 @@ def check_modules(modules: list[nn.Module]) -> None:
         raise ValueError("fully_shard needs a module or a non-empty list of modules, got []")
     for m in modules:
         if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
+            raise TypeError(
+                f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
         where = f"fully_shard({type(m).__name__})"
         if state_of(m) is not None:
-            raise ValueError(f"{where}: this module is already annotated; call fully_shard once per module.")
+            raise ValueError(
+                f"{where}: this module is already annotated; call fully_shard once per module.")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(
                 f"{where}: a container without forward is never called, so its unit would never "
                 "gather. Annotate its children (for block in container: fully_shard(block)), or "
-                "pass them as one unit: fully_shard(list(container))."
-            )
+                "pass them as one unit: fully_shard(list(container)).")
 
 
 def check_reshard_after_forward(value: object, where: str, shard_size: int | None) -> None:
@@ -46,69 +47,54 @@ def check_reshard_after_forward(value: object, where: str, shard_size: int | Non
     if isinstance(value, bool) or value is None:
         return
     if not isinstance(value, int):
-        raise TypeError(
-            f"{where}: reshard_after_forward must be a bool, None or an int group size, "
-            f"got {type(value).__name__} {value!r}"
-        )
+        raise TypeError(f"{where}: reshard_after_forward must be a bool, None or an int group "
+                        f"size, got {type(value).__name__} {value!r}")
     if shard_size is not None and (value < 1 or shard_size % value):
-        raise ValueError(
-            f"{where}: reshard_after_forward={value} must divide the mesh's shard size "
-            f"{shard_size} (e.g. the ranks of one host), or be True or False."
-        )
+        raise ValueError(f"{where}: reshard_after_forward={value} must divide the mesh's shard "
+                         f"size {shard_size} (e.g. the ranks of one host), or be True or False.")
 
 
-def check_options(
-    name: str, reshard_after_forward: object, shard_placement_fn: object, mp_policy: object,
-    offload_policy: object,
-) -> None:
+def check_options(name: str, reshard_after_forward: object, shard_placement_fn: object,
+                  mp_policy: object, offload_policy: object) -> None:
     where = f"fully_shard({name})"
     check_reshard_after_forward(reshard_after_forward, where, None)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"{where}: mp_policy must be a MixedPrecisionPolicy (fsdp_compose's or torch's), "
-            f"got {type(mp_policy).__module__}.{type(mp_policy).__name__}"
-        )
+        raise TypeError(f"{where}: mp_policy must be a MixedPrecisionPolicy (fsdp_compose's or "
+                        f"torch's), got {type(mp_policy).__module__}.{type(mp_policy).__name__}")
     for field in ("param_dtype", "reduce_dtype", "output_dtype"):
         dtype = getattr(mp_policy, field)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(
                 f"{where}: MixedPrecisionPolicy.{field}={dtype!r} is not a floating-point "
-                "torch.dtype; use e.g. torch.bfloat16, or None to keep the parameters' dtype."
-            )
+                "torch.dtype; use e.g. torch.bfloat16, or None to keep the parameters' dtype.")
     if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"{where}: offload_policy must be an OffloadPolicy or CPUOffloadPolicy "
-            f"(fsdp_compose's or torch's), got {type(offload_policy).__name__}"
-        )
+        raise TypeError(f"{where}: offload_policy must be an OffloadPolicy or CPUOffloadPolicy "
+                        f"(fsdp_compose's or torch's), got {type(offload_policy).__name__}")
     if shard_placement_fn is not None and not callable(shard_placement_fn):
-        raise TypeError(
-            f"{where}: shard_placement_fn must be a callable (param) -> Shard | "
-            f"ShardPlacementResult | None, got {type(shard_placement_fn).__name__}"
-        )
+        raise TypeError(f"{where}: shard_placement_fn must be a callable (param) -> Shard | "
+                        f"ShardPlacementResult | None, got {type(shard_placement_fn).__name__}")
 
 
-def check_dp_mesh_dims(where: str, mesh: DeviceMesh, dims: object, reshard_after_forward: object) -> None:
+def check_dp_mesh_dims(where: str, mesh: DeviceMesh, dims: object, reshard: object) -> None:
     """dp_mesh_dims names dims of `mesh`, in its order, each to shard or to replicate."""
     where = f"{where}: dp_mesh_dims"
     if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
         raise TypeError(f"{where} must be a DataParallelMeshDims, got {type(dims).__name__}")
-    names = mesh.mesh_dim_names
-    if names is None:
+    if (names := mesh.mesh_dim_names) is None:
         raise ValueError(f"{where}: mesh must have mesh_dim_names when dp_mesh_dims is provided")
     shard, replicate = dim_names(dims.shard), dim_names(dims.replicate)
-    for n in (*shard, *replicate):
-        if n not in names:
-            raise ValueError(f"{where}: Mesh dim name {n!r} not found in mesh.mesh_dim_names {names}")
+    if unknown := [n for n in (*shard, *replicate) if n not in names]:
+        raise ValueError(
+            f"{where}: Mesh dim name {unknown[0]!r} not found in mesh.mesh_dim_names {names}")
     for group in (shard, replicate):
         if list(group) != sorted(group, key=names.index):
             raise ValueError(f"{where}: {group} must name mesh dims in the mesh's order {names}.")
     if set(shard) & set(replicate):
         raise ValueError(f"{where}: {dims} names the same mesh dim to shard and to replicate.")
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+    if isinstance(reshard, int) and not isinstance(reshard, bool):
         raise NotImplementedError(
             f"{where}: reshard_after_forward as int is not yet supported with SPMD mesh "
-            "(dp_mesh_dims), as in torch's fully_shard; pass a bool."
-        )
+            "(dp_mesh_dims), as in torch's fully_shard; pass a bool.")
 
 
 def check_spmd_param(where: str, param: nn.Parameter, spmd: SpmdDims) -> None:
@@ -116,22 +102,20 @@ def check_spmd_param(where: str, param: nn.Parameter, spmd: SpmdDims) -> None:
     if not isinstance(param, DTensor):
         raise ValueError(
             f"{where}: When dp_mesh_dims is provided, all parameters must be DTensors on the "
-            "full SPMD mesh (e.g. via distribute_module). Got a plain tensor."
-        )
+            "full SPMD mesh (e.g. via distribute_module). Got a plain tensor.")
     if param.device_mesh != spmd.mesh:
         raise ValueError(
             f"{where} is a DTensor on {param.device_mesh}; with dp_mesh_dims it must be on "
-            f"the same mesh passed to fully_shard, {spmd.mesh}."
-        )
+            f"the same mesh passed to fully_shard, {spmd.mesh}.")
+    names = spmd.mesh.mesh_dim_names or ()
     for i in spmd.data_parallel:
         if not param.placements[i].is_replicate():
             raise ValueError(
-                f"{where}: Expected Replicate() on data-parallel mesh dim "
-                f"{spmd.mesh.mesh_dim_names[i]!r} (index {i}) but got {param.placements[i]}."  # type: ignore[index]
-            )
+                f"{where}: Expected Replicate() on data-parallel mesh dim {names[i]!r} "
+                f"(index {i}) but got {param.placements[i]}.")
 
 
-def check_mesh(where: str, mesh: object, dp_mesh_dims: object, reshard_after_forward: object) -> None:
+def check_mesh(where: str, mesh: object, dp_mesh_dims: object, reshard: object) -> None:
     """fully_shard's mesh, or one shard_placement_fn returned: this rank's, on a device here."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{where}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
@@ -145,33 +129,29 @@ def check_mesh(where: str, mesh: object, dp_mesh_dims: object, reshard_after_for
             f"{where}: rank {dist.get_rank()} is not in the mesh (shape {tuple(mesh.shape)}, dims "
             f"{mesh.mesh_dim_names or 'unnamed'}, ranks {listed}): build the mesh over ranks that "
             "include every rank that calls fully_shard with it (e.g. init_device_mesh over the "
-            "whole world), or call fully_shard with it only on the mesh's ranks."
-        )
+            "whole world), or call fully_shard with it only on the mesh's ranks.")
     if dp_mesh_dims is not None:
-        check_dp_mesh_dims(where, mesh, dp_mesh_dims, reshard_after_forward)
+        check_dp_mesh_dims(where, mesh, dp_mesh_dims, reshard)
     device_type = mesh.device_type
     is_available = getattr(getattr(torch, device_type, None), "is_available", None)
     if device_type != "cpu" and not (callable(is_available) and is_available()):
         raise ValueError(
             f"{where}: the mesh is on device type {device_type!r}, which this torch build or "
             f"machine does not have (torch.{device_type}.is_available() is False). Build the "
-            "mesh on \"cpu\" (gloo), or run where that device is present."
-        )
+            "mesh on \"cpu\" (gloo), or run where that device is present.")
     if mesh.ndim not in (1, 2) and dp_mesh_dims is None:
         raise ValueError(
             f"{where}: the mesh has {mesh.ndim} dimensions; pass a 1-D mesh (full sharding) or "
             "a 2-D (replicate, shard) mesh (HSDP), e.g. mesh['dp'], or name its data-parallel "
-            "dims with dp_mesh_dims."
-        )
+            "dims with dp_mesh_dims.")
     if mesh.ndim == 2 and dp_mesh_dims is None and mesh.size(1) == 1 < mesh.size(0):
         names = mesh.mesh_dim_names or ("0", "1")
         warnings.warn(
             f"{where}: the mesh's shard dimension {names[1]!r} has size 1 (shape "
             f"{tuple(mesh.shape)}, dims {names}): a 2-D mesh is HSDP, replicating over dim 0 and "
             f"sharding over dim 1, so every rank keeps whole parameters. To shard over "
-            f"{names[0]!r}, pass the 1-D mesh mesh[{names[0]!r}].", stacklevel=3,
-        )
-    check_reshard_after_forward(reshard_after_forward, where, mesh.size(mesh.ndim - 1))
+            f"{names[0]!r}, pass the 1-D mesh mesh[{names[0]!r}].", stacklevel=3)
+    check_reshard_after_forward(reshard, where, mesh.size(mesh.ndim - 1))
 
 
 def unit_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
@@ -203,8 +183,7 @@ def check_tensor_parallel(where: str, param: DTensor, mesh: DeviceMesh) -> None:
             f"{where} is a DTensor on mesh {tp_mesh} with {param.placements}, which is not a "
             f"tensor-parallel part of the same device mesh as fully_shard's mesh {mesh}. Build one "
             "mesh, e.g. init_device_mesh(..., mesh_dim_names=('dp', 'tp')), parallelize on "
-            "mesh['tp'] and pass mesh=mesh['dp']."
-        )
+            "mesh['tp'] and pass mesh=mesh['dp'].")
 
 
 def refuse_post_forward_tensor_parallel(where: str, fqn: str) -> None:
@@ -212,11 +191,11 @@ def refuse_post_forward_tensor_parallel(where: str, fqn: str) -> None:
     raise NotImplementedError(
         f"{where}: reshard_after_forward=<int> (a smaller post-forward group) with the "
         f"tensor-parallel parameter {fqn!r} is not supported (torch's fully_shard refuses it "
-        "too); pass reshard_after_forward=True or False for units with DTensor parameters."
-    )
+        "too); pass reshard_after_forward=True or False for units with DTensor parameters.")
 
 
-def check_params(name: str, collected: Collected, device: torch.device, meshes: list[UnitMesh]) -> None:
+def check_params(name: str, collected: Collected, device: torch.device,
+                 meshes: list[UnitMesh]) -> None:
     for (fqn, param, _), mesh in zip(collected, meshes):
         where = f"fully_shard({name}): parameter {fqn!r}"
         if mesh.spmd is not None:
@@ -225,19 +204,15 @@ def check_params(name: str, collected: Collected, device: torch.device, meshes: 
             if getattr(param, SHARDED_MARK, False):
                 raise ValueError(
                     f"{where} is already sharded by fully_shard on an enclosing module. Annotate "
-                    "bottom-up: inner modules first, then the modules that contain them."
-                )
+                    "bottom-up: inner modules first, then the modules that contain them.")
             check_tensor_parallel(where, param, mesh.mesh)
             if mesh.post_forward_mesh is not None:
                 refuse_post_forward_tensor_parallel(f"fully_shard({name})", fqn)
         if param.ndim == 0:
             raise ValueError(
                 f"{where} is a scalar and cannot be sharded on dim 0. Give it shape (1,), or "
-                "pass it in ignored_params to keep it whole."
-            )
+                "pass it in ignored_params to keep it whole.")
         if param.device.type not in (device.type, "cpu", "meta"):
             raise ValueError(
                 f"{where} is on {param.device} but the mesh is on {device.type}. Build the mesh "
-                "on the parameters' device type, or move the module there first."
-            )
-
+                "on the parameters' device type, or move the module there first.")

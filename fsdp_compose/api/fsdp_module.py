@@ -14,25 +14,23 @@ from .setters import Setters
 
 
 class FSDPModule(Setters):
-    """A module annotated by `fully_shard`: its class subclasses this one and its original
-    class, so `isinstance(module, OriginalClass)` still holds."""
+    """A module annotated by `fully_shard`; its class also subclasses its original class."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> FSDPModule:
         # Containers such as nn.Sequential build new instances of their own class when
         # sliced; those are plain modules of the original class, not annotated ones.
         original: type[nn.Module] = next(
-            c for c in cls.__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule)
-        )
+            c for c in cls.__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
         module = original.__new__(original)
         original.__init__(module, *args, **kwargs)
         return cast(FSDPModule, module)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         raise TypeError(
-            f"copy.deepcopy({type(self).__name__}): an annotated module cannot be deep-copied (its units "
-            "hold process groups and shared buffers). Copy the model before fully_shard and annotate the "
-            "copy, or build a new model, annotate it and load_state_dict(model.state_dict())."
-        )
+            f"copy.deepcopy({type(self).__name__}): an annotated module cannot be deep-copied (its "
+            "units hold process groups and shared buffers). Copy the model before fully_shard and "
+            "annotate the copy, or build a new model, annotate it and "
+            "load_state_dict(model.state_dict()).")
 
     def _state(self) -> UnitState:
         state = state_of(self)  # type: ignore[arg-type]  # a module: FSDPModule is mixed in
@@ -74,8 +72,7 @@ class FSDPModule(Setters):
             raise RuntimeError(
                 f"{type(self).__name__}.reset_iter_state(): unit {state.label} is not a root; "
                 f"call reset_iter_state on its root, {type(state.root.state.modules[0]).__name__} "
-                "(the outermost annotated module), which resets every unit under it."
-            )
+                "(the outermost annotated module), which resets every unit under it.")
         state.reset_iter_state()
 
     @overload
@@ -86,10 +83,9 @@ class FSDPModule(Setters):
     def finalize_backward(self, *, async_op: bool) -> GradientReductionHandle | None: ...
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
-        """After a step's backward passes, reduce the gradients held unsharded (no gradient sync)
-        with the current settings and commit them to the `.grad`s; a no-op before the first
-        forward, an error between a forward and its backward (synchronous: an `async_op` handle's
-        wait() returns at once)."""
+        """After backward passes without gradient sync, reduce the unsharded gradients with the
+        current settings into the `.grad`s (no-op before the first forward, error between a
+        forward and its backward); synchronous: an `async_op` handle's wait() returns at once."""
         state = self._state()
         if state.initialised:
             state.root.finalize_backward()

@@ -21,16 +21,7 @@ from ..schedule.unmanaged import watch
 from ..unit.part import MeshPart
 from ..unit.settings import UnitSettings
 from ..unit.unit import Unit
-from .checks import (
-    SHARDED_MARK,
-    Collected,
-    check_mesh,
-    check_modules,
-    check_options,
-    check_params,
-    collect_params,
-    unit_modules,
-)
+from . import checks
 from .fsdp_module import FSDPModule
 from .init import move_buffers, sync_from_first_rank
 from .placement import ShardPlacementFn, shard_placements
@@ -47,14 +38,16 @@ def _annotated_class(cls: type) -> type:
 
 @overload
 def fully_shard(
-    module: nn.Module, *, mesh: DeviceMesh | None = ..., reshard_after_forward: bool | int | None = ...,
+    module: nn.Module, *, mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: ShardPlacementFn | None = ..., mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ..., ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ..., sync_module_states: bool = ...,
 ) -> FSDPModule: ...
 @overload
 def fully_shard(
-    module: list[nn.Module], *, mesh: DeviceMesh | None = ..., reshard_after_forward: bool | int | None = ...,
+    module: list[nn.Module], *, mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: ShardPlacementFn | None = ..., mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ..., ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ..., sync_module_states: bool = ...,
@@ -63,15 +56,17 @@ def fully_shard(
 
 def fully_shard(
     module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int | None = None, shard_placement_fn: ShardPlacementFn | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: OffloadPolicy = OffloadPolicy(),
-    ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: DataParallelMeshDims | None = None,
-    sync_module_states: bool = False,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: ShardPlacementFn | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None, sync_module_states: bool = False,
 ) -> FSDPModule | list[FSDPModule]:
     """Shard `module`'s parameters over `mesh`; gather them only while it computes.
 
     In place: the module keeps its class (now also an FSDPModule), submodules and parameter
-    names; its parameters become DTensors sharded on dim 0, for an optimizer built afterwards.
+    names; its parameters become DTensors sharded on dim 0 (build the optimizer afterwards).
     Call it bottom-up (each call claims what no inner call claimed; a list forms one unit):
 
         for block in model.layers:
@@ -83,34 +78,38 @@ def fully_shard(
     `offload_policy=CPUOffloadPolicy()` keeps shards, gradients and the optimizer step on CPU.
     `ignored_params` are neither sharded nor reduced. Meta-device models get values from
     `materialize`. Ours: `sync_module_states=True` first copies the mesh's first rank's
-    parameters and buffers to every rank. A call that raises leaves `module` untouched.
-    """
+    parameters and buffers to every rank. A call that raises leaves `module` untouched."""
     modules = list(module) if isinstance(module, list) else [module]
-    check_modules(modules)
+    checks.check_modules(modules)
     name = ", ".join(type(m).__name__ for m in modules)
     mp_policy, offload_policy = adopt_policy(mp_policy), adopt_policy(offload_policy)
-    check_options(name, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
+    checks.check_options(name, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh(name)
-    check_mesh(f"fully_shard({name})", mesh, dp_mesh_dims, reshard_after_forward)
+    checks.check_mesh(f"fully_shard({name})", mesh, dp_mesh_dims, reshard_after_forward)
     resolved = unit_mesh(mesh, reshard_after_forward, dp_mesh_dims)
-    collected = collect_params(modules, set(ignored_params or ()))
+    collected = checks.collect_params(modules, set(ignored_params or ()))
     owners = [owner_of(param) for _, param, _ in collected]  # tied to another unit's: borrowed
     borrowed = [Borrowed(fqn, *o, holders) for (fqn, _, holders), o in zip(collected, owners) if o]
     for tied in borrowed:
         check_borrowable(name, tied, resolved, mp_policy)
     collected = [c for c, owner in zip(collected, owners) if owner is None]
-    placements = shard_placements(name, collected, shard_placement_fn, resolved, reshard_after_forward)
-    check_params(name, collected, resolved.device, [param_mesh for _, param_mesh in placements])
-    policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]
+    placements = shard_placements(
+        name, collected, shard_placement_fn, resolved, reshard_after_forward)
+    checks.check_params(name, collected, resolved.device, [m for _, m in placements])
+    policies = [mp_policy.for_param(fqn, p) for fqn, p, _ in collected]  # may raise
     if sync_module_states:
         # The parameters and buffers outside inner units (those synced their own).
-        buffers = [b for m in modules for _, owner in unit_modules(m) for b in owner._buffers.values()]
-        tensors = [p for _, p, _ in collected] + [b for b in buffers if b is not None]
+        buffers = (o._buffers.values() for m in modules for _, o in checks.unit_modules(m))
+        tensors = [p for _, p, _ in collected] + [b for bs in buffers for b in bs if b is not None]
         sync_from_first_rank(tensors, resolved.mesh, resolved.device)  # data-parallel dims only
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
-    _annotate(modules, name, collected, placements, policies, borrowed, resolved, mp_policy, offload)
+    params = [
+        ShardedParam(fqn, p, holders, param_mesh, policy, offload, dim)
+        for (fqn, p, holders), (dim, param_mesh), policy in zip(collected, placements, policies)
+    ]
+    _annotate(modules, name, collected, params, placements, borrowed, resolved, mp_policy)
     # Until the first forward, look for parameters no unit manages: see schedule/unmanaged.py.
-    sharded = [p for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False)]
+    sharded = [p for m in modules for p in m.parameters() if getattr(p, checks.SHARDED_MARK, False)]
     watch(state_of(modules[0]), [*sharded, *(ignored_params or ())])
     return module  # type: ignore[return-value]  # annotated in place: now FSDPModules
 
@@ -120,26 +119,23 @@ fully_shard.state = state_of  # type: ignore[attr-defined]
 
 
 def _annotate(
-    modules: list[nn.Module], name: str, collected: Collected, placements: list[tuple[int, UnitMesh]],
-    policies: list[MixedPrecisionPolicy], borrowed: list[Borrowed], resolved: UnitMesh,
-    mp_policy: MixedPrecisionPolicy, offload: CPUOffloadPolicy | None,
+    modules: list[nn.Module], name: str, collected: checks.Collected, params: list[ShardedParam],
+    placements: list[tuple[int, UnitMesh]], borrowed: list[Borrowed], resolved: UnitMesh,
+    mp_policy: MixedPrecisionPolicy,
 ) -> None:
     """Shard the checked parameters, build the unit, install its hooks, borrow the tied."""
-    params = [
-        ShardedParam(fqn, p, owners, param_mesh, policy, offload, dim)
-        for (fqn, p, owners), (dim, param_mesh), policy in zip(collected, placements, policies)
-    ]
     move_buffers(modules, resolved.device)
     # One part per mesh of the parameters (see shard_placement_fn), the unit's mesh first.
     by_mesh: dict[int, tuple[UnitMesh, list[ShardedParam]]] = {id(resolved): (resolved, [])}
     for param, (_, param_mesh) in zip(params, placements):
         by_mesh.setdefault(id(param_mesh), (param_mesh, []))[1].append(param)
     settings = UnitSettings(reshard_after_forward=resolved.reshard_after_forward)
-    unit = Unit([MeshPart(group, mesh, name, settings) for mesh, group in by_mesh.values()], settings)
+    parts = [MeshPart(group, mesh, name, settings) for mesh, group in by_mesh.values()]
+    unit = Unit(parts, settings)
     unit.set_post_forward_meshes([mesh.post_forward_mesh for mesh, _ in by_mesh.values()])
     state = UnitState(modules, unit, mp_policy)
     for (_, original, _), param in zip(collected, params):
-        setattr(param.sharded, SHARDED_MARK, True)
+        setattr(param.sharded, checks.SHARDED_MARK, True)
         setattr(original, OWNER_ATTR, (state, param))
         param.to_sharded()
     for m in modules:

@@ -18,25 +18,18 @@ from ..schedule.state import state_of
 def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:
     """Give the meta parameters and buffers under annotated `module` values on the units'
     devices, one module at a time: its own tensors whole, then this rank's shards (peak
-    memory: the shards plus the largest module's own parameters).
+    memory: the shards plus the largest module's own parameters). Each module owning meta
+    tensors gets `init_fn(module)` (default: `reset_parameters()`), children first, so that
+    with one seed on every rank the values are those of the unsharded model after
+    `model.to_empty(device=...)` and `model.apply(init_fn)`:
 
-    Each module owning meta tensors gets `init_fn(module)` (default: `reset_parameters()`),
-    children first, as `Module.apply`; with one seed on every rank, the values are those of
-    the unsharded model after `model.to_empty(device=...)` and `model.apply(init_fn)`:
-
-        with torch.device("meta"):
-            model = GPT(config)
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        torch.manual_seed(0)                  # the same on every rank
-        materialize(model, init_fn=init_weights)
+        torch.manual_seed(0)  # the same on every rank
+        materialize(model, init_fn=init_weights)  # after fully_shard on the meta model
     """
     if (root := state_of(module)) is None:
         raise TypeError(
             f"materialize({type(module).__name__}): the module is not annotated; call "
-            "fully_shard on it (and its blocks) first, then materialize it."
-        )
+            "fully_shard on it (and its blocks) first, then materialize it.")
     if init_fn is None:
         _check_resettable(module)
     states = [state for m in module.modules() if (state := state_of(m)) is not None]
@@ -85,8 +78,7 @@ def _materialize_own(
                 raise NotImplementedError(
                     f"materialize: {type(m).__name__}.{attr} is tensor-parallel; materialise "
                     "the model before parallelize_module, or use model.to_empty(device=...) "
-                    "and initialise the DTensor parameters."
-                )
+                    "and initialise the DTensor parameters.")
             if param not in whole:
                 tensor = torch.empty(param.layout.shape, dtype=param.sharded.dtype, device=device)
                 whole[param] = nn.Parameter(tensor, requires_grad=param.sharded.requires_grad)
@@ -95,9 +87,8 @@ def _materialize_own(
                     owner._parameters[owner_attr] = whole[param]
             to_init = True
         elif param is None and (plain := m._parameters[attr]) is not None and plain.is_meta:
-            m._parameters[attr] = nn.Parameter(
-                torch.empty_like(plain, device=device), requires_grad=plain.requires_grad
-            )
+            empty = torch.empty_like(plain, device=device)
+            m._parameters[attr] = nn.Parameter(empty, requires_grad=plain.requires_grad)
             to_init = True
     for attr, buffer in m._buffers.items():
         if buffer is not None and buffer.is_meta:
@@ -115,11 +106,11 @@ def _check_resettable(module: nn.Module) -> None:
             raise ValueError(
                 f"materialize: {type(m).__name__} at {fqn or '<root>'!r} has parameters or "
                 "buffers on the meta device but no reset_parameters(); pass "
-                "init_fn=<function of a module> that initialises them."
-            )
+                "init_fn=<function of a module> that initialises them.")
 
 
-def sync_from_first_rank(tensors: Iterable[torch.Tensor], mesh: DeviceMesh, device: torch.device) -> None:
+def sync_from_first_rank(tensors: Iterable[torch.Tensor], mesh: DeviceMesh,
+                         device: torch.device) -> None:
     """Overwrite `tensors` (DTensors: their local tensor; not meta ones) on every rank of the
     data-parallel `mesh` with its first rank's: one broadcast per dtype and mesh dim."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

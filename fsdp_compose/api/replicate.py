@@ -13,7 +13,8 @@ from .fully_shard import fully_shard
 
 def replicate(
     module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: OffloadPolicy = OffloadPolicy(),
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
 ) -> FSDPModule | list[FSDPModule]:
     """Ours: keep `module`'s parameters whole on every rank of the 1-D `mesh` and average
@@ -26,6 +27,5 @@ def replicate(
     # Nothing to free after forward: "unsharding" a replicated unit is a local copy.
     return fully_shard(
         module, mesh=replica_mesh(mesh), reshard_after_forward=False, mp_policy=mp_policy,
-        offload_policy=offload_policy, ignored_params=ignored_params,
-    )
+        offload_policy=offload_policy, ignored_params=ignored_params)
 

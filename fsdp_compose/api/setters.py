@@ -36,26 +36,31 @@ class Setters:
         state = self._state()
         setattr((state.root.state if state.initialised else state).settings, field, value)
 
+    def _where(self, setter: str) -> str:
+        return f"{type(self).__name__}.{setter}"
+
     # -- when to gather and free ------------------------------------------------------------
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int,
+                                  recurse: bool = True) -> None:
         """Free the unsharded parameters after forward; an int k keeps them sharded over
         groups of k ranks instead. As fully_shard's argument."""
-        states = self._states(recurse)
-        where = f"{type(self).__name__}.set_reshard_after_forward"
+        states, value = self._states(recurse), reshard_after_forward
+        where = self._where("set_reshard_after_forward")
         for state in states:  # check every unit (every mesh of one) before changing any
             for part in state.unit.parts:
-                check_reshard_after_forward(reshard_after_forward, where, part.mesh.shard_size)
-                smaller = reshard_after_forward not in (True, False, 1, part.mesh.shard_size)
+                check_reshard_after_forward(value, where, part.mesh.shard_size)
+                smaller = value not in (True, False, 1, part.mesh.shard_size)
                 if smaller and (tp := [p.fqn for p in part.params if p.is_tensor_parallel]):
                     refuse_post_forward_tensor_parallel(where, tp[0])
         for state in states:
-            parts = state.unit.parts
-            resolved = [resolve_reshard_after_forward(reshard_after_forward, p.device_mesh) for p in parts]
+            resolved = [resolve_reshard_after_forward(value, p.device_mesh)
+                        for p in state.unit.parts]
             state.unit.set_post_forward_meshes([mesh for _, mesh in resolved])
             state.settings.reshard_after_forward = resolved[-1][0]
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
         """Free the unsharded parameters after backward (False: keep them for the next)."""
         self._write("reshard_after_backward", reshard_after_backward, recurse)
 
@@ -70,12 +75,12 @@ class Setters:
 
     def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:
         """Start gathering `modules` once this unit is gathered in forward (the next blocks)."""
-        where = f"{type(self).__name__}.set_modules_to_forward_prefetch"
+        where = self._where("set_modules_to_forward_prefetch")
         self._write("forward_prefetch", annotated_states(modules, where))
 
     def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:
-        """Start gathering `modules` once this unit is gathered in backward (the previous block)."""
-        where = f"{type(self).__name__}.set_modules_to_backward_prefetch"
+        """Start gathering `modules` once this unit is gathered in backward (the previous one)."""
+        where = self._where("set_modules_to_backward_prefetch")
         self._write("backward_prefetch", annotated_states(modules, where))
 
     def set_implicit_forward_prefetch(self, enable: bool = True, *, recurse: bool = True) -> None:
@@ -86,21 +91,21 @@ class Setters:
     def set_max_all_gathers_in_flight(self, limit: int) -> None:
         """Ours: at most `limit` (default 2, torch's fixed value) prefetched all-gathers in
         flight, bounding prefetch's memory. Call on the root (its units share the bound)."""
-        self._write_on_root("max_all_gathers_in_flight", _at_least_one(self, limit, "set_max_all_gathers_in_flight"))
+        limit = _at_least_one(self, limit, "set_max_all_gathers_in_flight")
+        self._write_on_root("max_all_gathers_in_flight", limit)
 
     def set_post_optim_event(self, event: torch.Event | None) -> None:
         """The root's next forward all-gathers wait for `event` (an optimizer step on another
         stream) once: set one every iteration. None (CPU's recorded event) waits for nothing."""
         if event is not None and not callable(getattr(event, "wait", None)):
-            raise TypeError(
-                f"{type(self).__name__}.set_post_optim_event: expected a torch.Event, got "
-                f"{type(event).__name__}."
-            )
+            raise TypeError(f"{self._where('set_post_optim_event')}: expected a torch.Event, "
+                            f"got {type(event).__name__}.")
         self._write_on_root("post_optim_event", event)
 
     # -- the reduction ----------------------------------------------------------------------
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
         """With False, backward accumulates unsharded gradients; the next with True reduces."""
         self._write("requires_gradient_sync", requires_gradient_sync, recurse)
 
@@ -109,9 +114,8 @@ class Setters:
         to the next backward with True."""
         self._write("requires_all_reduce", requires_all_reduce, recurse)
 
-    def set_reduce_scatter_unused_params(
-        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
-    ) -> None:
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
         """Reduce zeros for parameters this rank's backward did not reach (mixture of experts),
         so all ranks send the same reduce-scatter; such a `.grad` is a tensor, never None."""
         self._write("reduce_scatter_unused_params", reduce_scatter_unused_params, recurse)
@@ -122,36 +126,33 @@ class Setters:
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of `set_gradient_divide_factor`, as in torch."""
-        warnings.warn(
-            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
-            DeprecationWarning, stacklevel=2,
-        )
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use "
+                      "set_gradient_divide_factor", DeprecationWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with a plain SUM on the wire and divide locally afterwards."""
         self._write("force_sum_reduction", enable)
 
-    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
         """At most `max_input_buffers` (default 1) gradient reductions in flight. Call on the
         root (its units share the bound; `recurse` is only torch's signature)."""
         limit = _at_least_one(self, max_input_buffers, "set_reduce_scatter_max_input_buffers")
         self._write_on_root("reduce_scatter_max_input_buffers", limit)
 
-    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream: Any = None) -> None:
         """Call `hook(reduced)` on this unit's reduced gradients before the final division, to
-        modify them in place (e.g. all-reduce across another dim); with parameters on several
-        meshes (shard_placement_fn's), once per mesh with its reduced gradients (torch
-        refuses). On an accelerator it runs on the reduce-scatter stream, or on `stream`,
-        ordered both ways with it, as torch's."""
+        modify them in place (e.g. all-reduce across another dim), once per mesh of its
+        parameters (torch refuses several); on the reduce-scatter stream or `stream`, as torch's."""
         if stream is not None and not callable(getattr(stream, "wait_stream", None)):
-            raise TypeError(
-                f"{type(self).__name__}.set_all_reduce_hook: stream must be a torch.Stream "
-                f"or None, got {type(stream).__name__}."
-            )
+            raise TypeError(f"{self._where('set_all_reduce_hook')}: stream must be a torch.Stream "
+                            f"or None, got {type(stream).__name__}.")
         self._write("all_reduce_hook", (hook, stream))
 
-    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *,
+                                          recurse: bool = True) -> None:
         """Ours: reduce-scatter on a process group of its own, so reductions do not queue behind
         prefetched all-gathers. Collective: call it on every rank alike."""
         for state in self._states(recurse):
@@ -170,12 +171,12 @@ class Setters:
         `comm.allocate`, if any, allocates input and output (torch's API)."""
         self._write("custom_reduce_scatter", comm)
 
-    def set_all_gather_codec(self, codec: AllGatherCodec | None, params: list[str] | None = None) -> None:
+    def set_all_gather_codec(self, codec: AllGatherCodec | None,
+                             params: list[str] | None = None) -> None:
         """Ours: gather the parameters named in `params` (fqns; default all) through `codec`,
-        e.g. `Int8RowCodec()`; None sends them plainly again. A codec runs as torch's all-gather
-        extension (param/extension.py): not on tensor-parallel parameters, nor with
-        reshard_after_forward=<int>."""
-        unit, where = self._state().unit, f"{type(self).__name__}.set_all_gather_codec"
+        e.g. `Int8RowCodec()`; None sends them plainly again. Runs as torch's all-gather extension
+        (param/extension.py): not on tensor-parallel parameters, nor reshard_after_forward=<int>."""
+        unit, where = self._state().unit, self._where("set_all_gather_codec")
         by_fqn = {p.fqn: p for p in unit.params}
         names = list(by_fqn) if params is None else params
         if unknown := [n for n in names if n not in by_fqn]:
@@ -194,16 +195,14 @@ class Setters:
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """Newer torch's; does nothing here (every backward finishes its reductions; call
-        finalize_backward after backwards without sync), checked as torch does: on the
-        root, not during backward."""
+        finalize_backward after backwards without sync). Checked as torch's: root, not backward."""
         state = self._state()
         if state.initialised and not state.is_root:
-            raise RuntimeError(
-                f"{type(self).__name__}.set_manual_backward_finalization: unit {state.label} "
-                "is not a root; call it on the root module."
-            )
+            raise RuntimeError(f"{self._where('set_manual_backward_finalization')}: unit "
+                               f"{state.label} is not a root; call it on the root module.")
         if in_backward():
-            raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode during backward")
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """torch's (CUDA): refused with NotImplementedError."""
@@ -216,15 +215,17 @@ class Setters:
 
 def annotated_states(modules: list[Any], where: str) -> list[UnitState]:
     if bad := [type(m).__name__ for m in modules if not isinstance(m, Setters)]:
-        raise ValueError(f"{where}: {bad} are not annotated; pass modules that fully_shard annotated.")
+        raise ValueError(
+            f"{where}: {bad} are not annotated; pass modules that fully_shard annotated.")
     return [m._state() for m in modules]
 
 
-def _at_least_one(owner: object, value: int, setter: str) -> int:
+def _at_least_one(owner: Setters, value: int, setter: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{type(owner).__name__}.{setter}: expected an int >= 1, got {value!r}.")
+        raise ValueError(f"{owner._where(setter)}: expected an int >= 1, got {value!r}.")
     return value
 
 
 def _not_yet(owner: object, what: str) -> NoReturn:
-    raise NotImplementedError(f"{type(owner).__name__}: {what} is not supported by fsdp_compose yet.")
+    raise NotImplementedError(
+        f"{type(owner).__name__}: {what} is not supported by fsdp_compose yet.")

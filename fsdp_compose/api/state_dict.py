@@ -18,18 +18,15 @@ from ..schedule.phase import IDLE
 def install_state_dict_hooks(state: UnitState) -> None:
     for module in state.modules:
         module.register_state_dict_post_hook(
-            lambda m, sd, prefix, _meta: _report_sharded(state, m, sd, prefix)
-        )
+            lambda m, sd, prefix, _meta: _report_sharded(state, m, sd, prefix))
         module.register_load_state_dict_pre_hook(
-            lambda m, sd, prefix, *_: _shard_loaded(state, m, sd, prefix)
-        )
+            lambda m, sd, prefix, *_: _shard_loaded(state, m, sd, prefix))
         # load_state_dict(assign=True) replaces parameters: take them back as shards.
         module.register_load_state_dict_post_hook(lambda m, _keys: state.unit.adopt_registered())
 
 
-def _keys(
-    state: UnitState, module: nn.Module, prefix: str
-) -> Iterator[tuple[str, ShardedParam, nn.Module, str]]:
+def _keys(state: UnitState, module: nn.Module,
+          prefix: str) -> Iterator[tuple[str, ShardedParam, nn.Module, str]]:
     """(key, parameter, owner, attribute) for the unit's parameters, borrowed ones included."""
     names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
     for param in (*state.unit.params, *state.borrowed_params):
@@ -38,27 +35,26 @@ def _keys(
                 yield f"{prefix}{name}.{attr}" if name else f"{prefix}{attr}", param, owner, attr
 
 
-def _report_sharded(state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+def _report_sharded(state: UnitState, module: nn.Module, sd: dict[str, Any], prefix: str) -> None:
     """Put the shards where state_dict() found unsharded parameters."""
     if not state.unit.is_unsharded and not state.borrowed_params:
         return
     for key, param, owner, attr in _keys(state, module, prefix):
-        if owner._parameters[attr] is param.unsharded and key in state_dict:
-            kept_vars = state_dict[key] is param.unsharded
-            state_dict[key] = param.sharded if kept_vars else param.sharded.detach()
+        if owner._parameters[attr] is param.unsharded and key in sd:
+            kept_vars = sd[key] is param.unsharded
+            sd[key] = param.sharded if kept_vars else param.sharded.detach()
 
 
-def _shard_loaded(state: UnitState, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+def _shard_loaded(state: UnitState, module: nn.Module, sd: dict[str, Any], prefix: str) -> None:
     """Load into the shards: reshard the unit (its unsharded data would be stale) and cut
     whole tensors to this rank's shard; other shapes go on to load_state_dict's error."""
     if state.unit.is_unsharded:
         if state.phase is not IDLE:
             raise RuntimeError(
                 f"load_state_dict: unit {state.label or type(module).__name__} is in its "
-                f"{state.phase.name.lower()} phase; load between training steps."
-            )
+                f"{state.phase.name.lower()} phase; load between training steps.")
         state.unit.reshard()
     for key, param, _, _ in _keys(state, module, prefix):
-        value = state_dict.get(key)
-        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
-            state_dict[key] = param.shard_of(value)
+        if isinstance(value := sd.get(key), torch.Tensor) and not isinstance(value, DTensor):
+            if value.shape == param.shape:
+                sd[key] = param.shard_of(value)

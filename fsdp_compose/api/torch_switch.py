@@ -24,13 +24,10 @@ TORCH_MODULES = (
     "torch.distributed.fsdp._fully_shard",
 )
 # Ours for each of torch's names; a name a torch version lacks is left out there.
-OURS: dict[str, object] = {
-    "fully_shard": fully_shard, "FSDPModule": FSDPModule, "UnshardHandle": UnshardHandle,
-    "MixedPrecisionPolicy": MixedPrecisionPolicy, "OffloadPolicy": OffloadPolicy,
-    "CPUOffloadPolicy": CPUOffloadPolicy, "share_comm_ctx": share_comm_ctx,
-    "register_fsdp_forward_method": register_fsdp_forward_method,
-    "DataParallelMeshDims": DataParallelMeshDims, "GradientReductionHandle": GradientReductionHandle,
-}
+OURS: dict[str, object] = {f.__name__: f for f in (
+    fully_shard, FSDPModule, UnshardHandle, MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy,
+    share_comm_ctx, register_fsdp_forward_method, DataParallelMeshDims, GradientReductionHandle,
+)}
 
 
 class TorchFSDPSwitch(contextlib.AbstractContextManager["TorchFSDPSwitch"]):
@@ -66,25 +63,24 @@ def replace_torch_fsdp() -> TorchFSDPSwitch:
     originals = {name: getattr(torch_fsdp, name) for name in OURS if hasattr(torch_fsdp, name)}
     theirs = originals["FSDPModule"]
     # type(), not isinstance: some objects warn when their __class__ is read.
-    if annotated := sorted({type(o).__name__ for o in gc.get_objects() if issubclass(type(o), theirs)}):
+    if annotated := sorted({type(o).__name__ for o in gc.get_objects()
+                            if issubclass(type(o), theirs)}):
         raise RuntimeError(
             f"replace_torch_fsdp: torch's fully_shard already annotated {annotated} in this "
             "process, and fsdp_compose cannot take over a model torch's runtime holds. Switch "
-            "before building the model: python -m fsdp_compose.run your_script.py."
-        )
+            "before building the model: python -m fsdp_compose.run your_script.py.")
     theirs_ids = {id(obj) for obj in originals.values()}
-    if early := sorted(  # modules other than torch's FSDP2 ones holding torch's objects, by any name
+    # Modules other than torch's FSDP2 ones and ours holding torch's objects, by any name.
+    if early := sorted(
         f"{name}.{attr}" for name, module in list(sys.modules.items())
-        if not name.startswith(TORCH_MODULES)
-        and name.split(".")[0] != "fsdp_compose"
+        if not name.startswith(TORCH_MODULES) and name.split(".")[0] != "fsdp_compose"
         for attr, value in list(getattr(module, "__dict__", {}).items()) if id(value) in theirs_ids
     ):
         warnings.warn(
             f"replace_torch_fsdp: {early} were bound to torch's FSDP2 objects before the switch "
             "and keep them (torch's fully_shard there). Start the program with python -m "
             "fsdp_compose.run (script or -m module) so that the switch comes first.",
-            RuntimeWarning, stacklevel=2,
-        )
+            RuntimeWarning, stacklevel=2)
     replaced = [(m, n, getattr(m, n)) for m in modules for n in originals if hasattr(m, n)]
     for module, name, _ in replaced:
         setattr(module, name, OURS[name])

@@ -27,7 +27,8 @@ def wrap(model: nn.Module, policy: WrapPolicy, **fully_shard_kwargs: Any) -> FSD
     """Ours: `fully_shard(module, **fully_shard_kwargs)` on the submodules `policy` chooses,
     innermost first, then on `model`, the root."""
     if not isinstance(policy, WrapPolicy):
-        raise TypeError(f"wrap: policy must be a fsdp_compose.WrapPolicy, got {type(policy).__name__}")
+        raise TypeError(
+            f"wrap: policy must be a fsdp_compose.WrapPolicy, got {type(policy).__name__}")
     for module in chosen_modules(model, policy):
         fully_shard(module, **fully_shard_kwargs)
     return fully_shard(model, **fully_shard_kwargs)
