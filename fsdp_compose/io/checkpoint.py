@@ -32,11 +32,9 @@ from .whole_weights import mismatches
 REPLACED = ".replaced"  # suffix of the previous checkpoint while the new one takes its name
 
 
-def save_checkpoint(
-    path: str | os.PathLike[str], model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
-    extra: Mapping[str, Stateful] | None = None, rng: bool = False,
-) -> None:
+def save_checkpoint(path: str | os.PathLike[str], model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
+                    extra: Mapping[str, Stateful] | None = None, rng: bool = False) -> None:
     """Save `model`'s and `optimizer`'s shards and `step` to the directory `path`, on every rank.
     `extra`: objects whose `state_dict()` to keep too, by name (LR schedulers, data loaders: each
     rank's own); `rng`: each rank's torch, CUDA and Python generators. Written to
@@ -59,8 +57,7 @@ def save_checkpoint(
 
 
 def _publish(staging: Path, path: Path, sums: str) -> None:
-    """Rename `staging` to `path`. A complete checkpoint is always at `path` or, between the
-    two renames, at `<path>.replaced`, where load_checkpoint looks next."""
+    """Rename `staging` to `path`; between the renames the last one is at `<path>.replaced`."""
     replaced = path.with_name(path.name + REPLACED)
     try:
         (staging / CHECKSUMS).write_text(sums)
@@ -75,16 +72,13 @@ def _publish(staging: Path, path: Path, sums: str) -> None:
     shutil.rmtree(replaced, ignore_errors=True)
 
 
-def load_checkpoint(
-    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-    *, extra: Mapping[str, Stateful] | None = None, rng: bool = False,
-) -> int | None:
-    """Load what `save_checkpoint` wrote into `model`, `optimizer` (its param groups whole),
-    `extra` and `rng`, at any world size (`extra`, `rng`: each rank its own, else the first
-    rank's); return the saved step or None. Call on every rank. Torch's DCP recipe's checkpoints
-    (`dcp.save({"app": AppState(model, optimizer)})`) load too. It loads everything or changes
-    nothing: metadata, keys, shapes and files' sizes and CRC-32s are checked first (a fault
-    raises the same error on every rank); tensors are read into copies (one more at the peak)."""
+def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, *,
+                    extra: Mapping[str, Stateful] | None = None, rng: bool = False) -> int | None:
+    """Load what `save_checkpoint` (or DCP's `{"app": AppState(model, optimizer)}` recipe) wrote,
+    at any world size (`extra`, `rng`: each rank its own, else the first rank's); return the step
+    or None. Call on every rank. All or nothing: metadata, keys, shapes, sizes and CRC-32s are
+    checked first (the same error on every rank); tensors are read into copies (one more copy)."""
     path = Path(path)
     previous = path.with_name(path.name + REPLACED)
     # A save killed between its renames: the checkpoint it replaced is the last one.
@@ -110,15 +104,16 @@ def load_checkpoint(
     fresh = optimizer is not None and not optimizer.state
     if optimizer is not None:
         if not any(key.startswith("optim.") for key in saved):
-            raise ValueError(f"load_checkpoint: {str(path)!r} holds no optimizer state; load it "
-                             "without the optimizer, or save with save_checkpoint(path, model, "
-                             "optimizer).")
+            raise ValueError(f"load_checkpoint: {str(path)!r} holds no optimizer state; load "
+                             "without it, or save with save_checkpoint(path, model, optimizer).")
         state["optim"] = dcp_state.get_optimizer_state_dict(model, optimizer)
     if "step" in saved:
         state["step"] = torch.tensor(0)
     state = _copies(state)  # read into these: the model's own tensors stay untouched
+    # Under the checkpoint's key prefix: "app." -> {"app": state}.
+    nested = functools.reduce(lambda d, k: {k: d}, reversed(prefix.split(".")[:-1]), state)
     try:
-        dcp_load(_nested(prefix, state), storage_reader=reader)
+        dcp_load(nested, storage_reader=reader)
     except CheckpointException as failed:  # a BaseException, raised on every rank alike
         if fresh:  # DCP stepped it once to create its state: fresh again
             optimizer.state.clear()  # type: ignore[union-attr]
@@ -132,8 +127,20 @@ def load_checkpoint(
 
 def _matched(path: Path, saved: Mapping[str, Any], model_state: Mapping[str, Any]
              ) -> tuple[str, dict[str, Any]]:
-    """The checkpoint's key prefix and its items without it; a ValueError unless they fit."""
-    prefix = _prefix(path, saved, model_state)
+    """The keys' prefix ("app." from DCP's recipe) and the items without it, if they fit."""
+    probe = next(iter(model_state), None)
+    found = {k[: -len(f"model.{probe}")] for k in saved if k.endswith(f".model.{probe}")}
+    if probe is None or any(k.startswith("model.") for k in saved):
+        prefix = ""
+    elif len(found) == 1:
+        prefix = found.pop()
+    else:
+        beginnings = sorted({".".join(k.split(".")[:2]) + "." for k in saved})
+        raise ValueError(f"load_checkpoint: {str(path)!r} holds none of the model's keys: its keys "
+                         f"begin with {beginnings[:8]}, where load_checkpoint looks for "
+                         f"'model.{probe}' and the model's other keys under 'model.' (and "
+                         "'optim.', 'step'). Saved under other names? Load it with dcp.load "
+                         "into the structure it was saved from.")
     items = {k.removeprefix(prefix): v for k, v in saved.items() if k.startswith(prefix)}
     shapes = {k.removeprefix("model."): tuple(item.size) for k, item in items.items()
               if k.startswith("model.") and isinstance(item, TensorStorageMetadata)}
@@ -141,30 +148,6 @@ def _matched(path: Path, saved: Mapping[str, Any], model_state: Mapping[str, Any
         raise ValueError(f"load_checkpoint: {str(path)!r} does not match the model: {problems}. "
                          "Was it saved from another model or configuration?")
     return prefix, items
-
-
-def _prefix(path: Path, saved: Mapping[str, Any], model_state: Mapping[str, Any]) -> str:
-    """What keys begin with before "model.": "" for save_checkpoint's, "app." for DCP's recipe."""
-    probe = next(iter(model_state), None)
-    if probe is None or any(k.startswith("model.") for k in saved):
-        return ""
-    found = {k[: -len(f"model.{probe}")] for k in saved if k.endswith(f".model.{probe}")}
-    if len(found) == 1:
-        return found.pop()
-    beginnings = sorted({".".join(k.split(".")[:2]) + "." for k in saved})
-    raise ValueError(
-        f"load_checkpoint: {str(path)!r} holds none of the model's keys: its keys begin with "
-        f"{beginnings[:8]}, where load_checkpoint looks for 'model.{probe}' and the model's other "
-        "keys under 'model.' (and 'optim.', 'step'). Saved with torch.distributed.checkpoint "
-        "under other names? Load it with dcp.load into the same structure it was saved from."
-    )
-
-
-def _nested(prefix: str, state: dict[str, Any]) -> dict[str, Any]:
-    """`state` under the keys `prefix` names ("app." -> {"app": state})."""
-    for part in reversed(prefix.rstrip(".").split(".") if prefix else []):
-        state = {part: state}
-    return state
 
 
 def _copies(state: Any) -> Any:

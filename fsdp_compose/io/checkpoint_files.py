@@ -22,8 +22,7 @@ T = TypeVar("T")
 
 
 def check_files(path: Path, metadata: Metadata) -> None:
-    """Raise, on every rank, the first fault (by file name) of the data files the metadata
-    names: missing, shorter than its byte ranges, or not the recorded size and CRC-32."""
+    """Raise on every rank the first fault (by name) of the files: missing, short or damaged."""
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
@@ -87,11 +86,9 @@ def _crc32(file: Path) -> int:
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles checkpoint metadata and nothing else: no arbitrary callables."""
 
-    _ALLOWED = {
-        ("torch", "Size"), ("torch.serialization", "_get_layout"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-    }
+    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "pathlib._local":  # where Python 3.13 pickles paths; pathlib has them all
@@ -105,8 +102,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class MetadataCheckingReader(FileSystemReader):
-    """torch's file reader, reading metadata with `_MetadataUnpickler` (it reads tensor data
-    with torch.load(weights_only=True) already); a damaged .metadata raises a ValueError."""
+    """torch's reader (tensor data: weights_only already), its metadata by `_MetadataUnpickler`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         file = Path(self.path) / ".metadata"
@@ -116,10 +112,9 @@ class MetadataCheckingReader(FileSystemReader):
             if not isinstance(metadata, Metadata):
                 raise pickle.UnpicklingError(".metadata holds no checkpoint metadata")
         except Exception as error:  # unpickling a damaged file raises almost any type
-            raise ValueError(
-                f"load_checkpoint: {str(file)!r} is damaged or truncated ({type(error).__name__}: "
-                f"{error}); nothing was loaded. Load another checkpoint."
-            ) from error
+            raise ValueError(f"load_checkpoint: {str(file)!r} is damaged or truncated "
+                             f"({type(error).__name__}: {error}); nothing was loaded. Load another "
+                             "checkpoint.") from error
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
         metadata.storage_meta = storage_meta

@@ -1,6 +1,5 @@
 """What only the first rank can know (it alone touches checkpoint files) and every rank
-must act on: its step's value, or its error raised on every rank alike, so that no rank
-waits in a collective the first rank will never enter."""
+must act on: its step's value, or its error, raised on every rank so that none hangs."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ T = TypeVar("T")
 
 
 def from_first_rank(step: Callable[[], T] | None) -> T:
-    """`step()`, run on the first rank (the only one to pass it), and its value sent to
-    every rank; if it raised, every rank raises that error (same type and message)."""
+    """`step()`, run on the first rank (the only one to pass it), its value or error on all."""
     value: T | None = None
     error: Exception | None = None
     if step is not None:
@@ -33,8 +31,7 @@ def from_first_rank(step: Callable[[], T] | None) -> T:
 
 
 def _portable(error: Exception) -> Exception:
-    """`error` if it is a built-in exception that pickles, else a RuntimeError with its class
-    and message (its class may not unpickle on the other ranks)."""
+    """`error` if it is a built-in that pickles, else a RuntimeError with its class and message."""
     if type(error).__module__ == "builtins":
         with suppress(Exception):  # one that does not round-trip goes as class and message
             pickle.loads(pickle.dumps(error))

@@ -1,6 +1,5 @@
 """Whole checkpoints in Hugging Face's safetensors layout, streamed a unit at a time so no
-rank holds the whole model. Only the first rank touches the files; it shares its verdict
-(io/first_rank.py) before tensors move, so every rank raises the same error."""
+rank holds the whole model. Only the first rank touches the files (see io/first_rank.py)."""
 
 from __future__ import annotations
 
@@ -23,15 +22,13 @@ from .whole_weights import full_state_dict_order, iter_full_state_dict, load_who
 _LOAD_BATCH = 64 * 1024**2  # bytes of whole tensors a rank holds before loading them
 
 
-def save_full_state_dict(
-    model: nn.Module, path: str | os.PathLike[str], *, max_shard_size: int = 5 * 1024**3
-) -> None:
+def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str], *,
+                         max_shard_size: int = 5 * 1024**3) -> None:
     """Write `model`'s whole state dict as safetensors from the first rank; call on every rank.
-    Gathered a unit at a time (`iter_full_state_dict`): a rank holds one unit's gathered bytes
-    and one whole tensor beyond its shards. `path`: a directory (`model.safetensors`, or past
-    `max_shard_size` bytes several files and an index, as `save_pretrained` writes them) or a
-    `.safetensors` file. Files are written as `<name>.incomplete` and renamed once all are; if
-    one fails, files at `path` stay as they were and every rank raises the same OSError."""
+    A rank holds one unit's gathered bytes and one whole tensor beyond its shards. `path`: a
+    `.safetensors` file or a directory (one file, or past `max_shard_size` several and an index,
+    as `save_pretrained` writes them). All or nothing: files at `path` stay as they were and
+    every rank raises the same OSError if one cannot be written."""
     state = _tensors(model, "save_full_state_dict")  # sharded DTensors: nothing gathered yet
     order = [name for part, names in full_state_dict_order(model)
              for name in (names if part is None else itertools.chain.from_iterable(names))]
@@ -53,14 +50,12 @@ def save_full_state_dict(
         raise
 
 
-def load_full_state_dict(
-    model: nn.Module, path: str | os.PathLike[str] | Iterable[tuple[str, torch.Tensor]]
-) -> None:
-    """Load a safetensors checkpoint (a file, or a directory holding `model.safetensors` or an
-    index and its files) into `model`, sharded or not; call on every rank. A damaged checkpoint
-    or a mismatch raises the same error on every rank before any tensor is sent. `path` may be
-    `(name, tensor)` pairs of whole tensors instead, the same on every rank (another model's
-    `iter_full_state_dict`): each rank keeps its part as they come (io/whole_weights.py)."""
+def load_full_state_dict(model: nn.Module,
+                         path: str | os.PathLike[str] | Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load a safetensors file, or a directory holding `model.safetensors` or an index and its
+    files, into `model`; call on every rank. A damaged checkpoint or a mismatch raises the same
+    error on every rank before any tensor is sent. `path` may instead be whole `(name, tensor)`
+    pairs, the same on every rank (another model's `iter_full_state_dict`)."""
     if not isinstance(path, (str, os.PathLike)):
         load_whole_items(model, path)
         return
@@ -71,6 +66,7 @@ def load_full_state_dict(
                          f"the model: {problems}")
     reader = _Reader() if is_first_rank() else None
     batch: dict[str, torch.Tensor] = {}
+    last = next(reversed(state), None)
     for name, target in state.items():
         entry = saved[name]
         device = target.to_local().device if isinstance(target, DTensor) else target.device
@@ -80,10 +76,11 @@ def load_full_state_dict(
         if dist.is_initialized():
             broadcast(whole, dist.group.WORLD)  # type: ignore[arg-type]  # set once initialized
         batch[name] = whole.to(target.dtype)
-        if sum(t.nbytes for t in batch.values()) >= _LOAD_BATCH:
-            _load_batch(model, batch, reader)
+        if name == last or sum(t.nbytes for t in batch.values()) >= _LOAD_BATCH:
+            # Unless the first rank failed to read one; each rank keeps its shard.
+            from_first_rank(reader.check if reader is not None else None)
+            model.load_state_dict(batch, strict=False)
             batch = {}
-    _load_batch(model, batch, reader)
 
 
 def _tensors(model: nn.Module, caller: str) -> dict[str, torch.Tensor]:
@@ -96,8 +93,7 @@ def _tensors(model: nn.Module, caller: str) -> dict[str, torch.Tensor]:
 
 
 class _Reader:
-    """The first rank's reads. One that fails sends zeros (the other ranks wait for a tensor),
-    and `check` raises its error before the batch is loaded."""
+    """The first rank's reads; after a failure, zeros (others wait for them) until `check`."""
 
     _failed: Exception | None = None
 
@@ -114,12 +110,6 @@ class _Reader:
     def check(self) -> None:
         if self._failed is not None:
             raise self._failed
-
-
-def _load_batch(model: nn.Module, batch: dict[str, torch.Tensor], reader: _Reader | None) -> None:
-    """Load whole tensors (each rank keeps its shard), unless the first rank failed to read one."""
-    from_first_rank(reader.check if reader is not None else None)
-    model.load_state_dict(batch, strict=False)
 
 
 def _read(name: str, entry: Saved) -> torch.Tensor:

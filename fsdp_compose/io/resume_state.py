@@ -1,8 +1,5 @@
-"""What a resume needs beside the tensors DCP keeps, in one small file per rank of a sharded
-checkpoint: the optimizer's param groups whole (`initial_lr` and the like, which DCP loads only
-where a fresh optimizer has them), the state of any object with `state_dict()` and
-`load_state_dict()` (LR schedulers, samplers, data loaders), and, if asked, the states of the
-random number generators. Read back with torch.load(weights_only=True): no code runs."""
+"""What a resume needs beside the tensors DCP keeps, in one small file per rank: param groups
+whole (DCP loads `initial_lr` only into a fresh optimizer), `extra` states, RNG states."""
 
 from __future__ import annotations
 
@@ -24,10 +21,6 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any, /) -> Any: ...
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _raise_on_every_rank(problem: str | None, error: type[Exception]) -> None:
     """Every rank raises the first problem any rank found (a collective: all call it)."""
     if found := [p for p in every_rank(problem) if p is not None]:
@@ -46,22 +39,20 @@ def write(folder: Path, optimizer: torch.optim.Optimizer | None,
     if rng:
         kept["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate(),
                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    problem = None
+    problem, rank = None, dist.get_rank() if dist.is_initialized() else 0
     if kept:
         try:
-            torch.save(kept, folder / FILE.format(_rank()))
+            torch.save(kept, folder / FILE.format(rank))
         except Exception as error:  # an object's state that does not save, a full disk
-            problem = (f"save_checkpoint: rank {_rank()} could not write "
-                       f"{str(folder / FILE.format(_rank()))!r}: {type(error).__name__}: {error}")
+            problem = (f"save_checkpoint: rank {rank} could not write "
+                       f"{str(folder / FILE.format(rank))!r}: {type(error).__name__}: {error}")
     _raise_on_every_rank(problem, OSError)
 
 
 def read(folder: Path, optimizer: torch.optim.Optimizer | None,
          extra: Mapping[str, Stateful] | None, rng: bool) -> Callable[[], None]:
-    """Read and check this rank's file (its own rank's, else the first rank's: a world size that
-    changed); return what puts it in place, to call once the tensors loaded. Every rank raises
-    the same error before anything changes."""
-    own = folder / FILE.format(_rank())
+    """Check this rank's file (or the first rank's); return what puts it in place, for later."""
+    own = folder / FILE.format(dist.get_rank() if dist.is_initialized() else 0)
     file = own if own.is_file() else folder / FILE.format(0)
     kept: dict[str, Any] = {}
     problem = None
@@ -91,7 +82,7 @@ def read(folder: Path, optimizer: torch.optim.Optimizer | None,
 
 def _missing(file: Path, kept: dict[str, Any], optimizer: torch.optim.Optimizer | None,
              extra: Mapping[str, Stateful], rng: bool) -> str | None:
-    """What the caller asks for that the checkpoint does not hold, in words; None if nothing."""
+    """What the caller asks for that the checkpoint does not hold, in words."""
     saved = sorted(kept.get("extra", {}))
     if missing := sorted(set(extra) - set(saved)):
         return (f"load_checkpoint: {str(file.parent)!r} keeps no state of {missing} (it keeps "

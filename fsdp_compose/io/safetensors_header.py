@@ -13,12 +13,10 @@ import torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
+CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+         torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+         torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+         torch.float8_e5m2: "F8_E5M2"}
 DTYPES = {code: dtype for dtype, code in CODES.items()}
 _MAX_HEADER = 100_000_000  # bytes: the safetensors package's own limit
 
@@ -34,9 +32,8 @@ class Saved(NamedTuple):
 
 
 def read_headers(path: Path) -> dict[str, Saved]:
-    """Every tensor of the checkpoint at `path` (a file, or a directory holding `model.safetensors`
-    or an index and its files), by name. FileNotFoundError for a missing file; ValueError naming
-    the file for a header or index that does not describe its bytes or files exactly."""
+    """Every tensor of the checkpoint at `path`, by name. FileNotFoundError for a missing file;
+    ValueError naming the file for a header or index that does not describe its bytes exactly."""
     files, weight_map = _checkpoint_files(path)
     saved: dict[str, Saved] = {}
     for file in files:

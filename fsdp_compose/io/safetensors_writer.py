@@ -27,8 +27,7 @@ def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 
 def plan_files(path: Path, entries: Entries, max_shard_size: int) -> list[tuple[Path, Entries]]:
-    """The files to write and their entries, in state-dict order: one file when `path` names
-    one or everything fits `max_shard_size`, else as many as it takes."""
+    """The files to write and their entries: one, or as many as `max_shard_size` takes."""
     if path.suffix == ".safetensors":
         return [(path, entries)]
     groups: list[Entries] = [[]]
@@ -68,19 +67,18 @@ class _Writer:
 
 
 class Saving:
-    """The first rank's side of a save, a file after another. A failure removes the staging
-    files and raises an OSError naming the file; one while tensors stream in waits for the
-    file's last tensor (the other ranks gather them): `next_file` raises it."""
+    """A failure removes the staging files and raises an OSError naming the file; one while
+    tensors stream in waits for the file's last one (others gather them): `next_file` raises."""
 
     def __init__(self, path: Path, files: list[tuple[Path, Entries]]) -> None:
         self._path = path
         self._files = files
         self._writers: list[_Writer] = []  # the last one is open
         self._failed: Exception | None = None
+        self._index_staging = path / (INDEX_FILE + INCOMPLETE)
 
     def start(self) -> None:
-        """Refuse what open() would refuse only at the end (a directory where a file goes) or
-        with an unclear error (a file where a directory goes); open the first file."""
+        """Refuse what open() would refuse late or unclearly; open the first file."""
         for file, _ in self._files:
             if file.is_dir():
                 raise IsADirectoryError(errno.EISDIR, f"save_full_state_dict: cannot write {file}: "
@@ -102,13 +100,11 @@ class Saving:
                 self._failed = error
 
     def next_file(self) -> None:
-        """Close the file just written; open the next or, after the last, rename every file
-        and write the index."""
+        """Close this file; open the next, or after the last rename all and write the index."""
         if self._failed is not None:
             raise self._failed
-        done = self._writers[-1]
-        with self._failing(done.path):
-            done.file.close()
+        with self._failing(self._writers[-1].path):
+            self._writers[-1].file.close()
         if len(self._writers) < len(self._files):
             self._open_next()
             return
@@ -118,15 +114,10 @@ class Saving:
         if len(self._files) > 1:
             weight_map = {name: file.name for file, group in self._files for name, _, _ in group}
             total = sum(nbytes(*entry[1:]) for _, entries in self._files for entry in entries)
-            staging = self._path / (INDEX_FILE + INCOMPLETE)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             with self._failing(self._path / INDEX_FILE):
-                try:
-                    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-                    staging.write_text(json.dumps(index, indent=2))
-                    staging.replace(self._path / INDEX_FILE)
-                except BaseException:
-                    staging.unlink(missing_ok=True)
-                    raise
+                self._index_staging.write_text(json.dumps(index, indent=2))
+                self._index_staging.replace(self._path / INDEX_FILE)
         self._writers = []  # nothing left to discard
 
     def discard(self) -> None:
@@ -136,6 +127,8 @@ class Saving:
                 writer.file.close()
             writer.staging.unlink(missing_ok=True)
         self._writers = []
+        with suppress(OSError):  # no index, or a file where its folder goes
+            self._index_staging.unlink(missing_ok=True)
 
     def _open_next(self) -> None:
         file, entries = self._files[len(self._writers)]

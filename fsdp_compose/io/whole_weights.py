@@ -1,6 +1,5 @@
 """A model's weights whole, unit by unit: `iter_full_state_dict` gathers each unit's shards and
-hands the tensors out one at a time (to an inference engine, or save_full_state_dict), and
-`load_whole_items` takes such tensors from any source, each rank keeping its part."""
+hands them out one at a time; `load_whole_items` takes them back, each rank keeping its part."""
 
 from __future__ import annotations
 
@@ -22,12 +21,10 @@ _GATHER_BYTES = 4 * 2**20  # the least a gather may hold: a unit of small tensor
 
 def iter_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` for every entry of `model.state_dict()` once, whole (as
-    `full_tensor()` gives; floating point ones cast to `dtype` if given), in the order of
-    `full_state_dict_order(model)`; call on every rank and consume every item (gathers are
-    collectives). One all-gather per mesh and unit (or piece of at least 4 MiB), as bytes in the
-    parameters' own dtypes: exact values. A rank holds its shards, one gather's bytes and the
-    tensor handed out; a tensor-parallel parameter is gathered over its own mesh too."""
+    """Yield `(name, tensor)` for each entry of `model.state_dict()`, whole as `full_tensor()`
+    gives it (floating point ones cast to `dtype`); call on every rank and consume every item.
+    One all-gather of exact bytes per mesh and unit (or piece of at least 4 MiB): a rank holds
+    its shards, one gather's bytes and the tensor handed out. TP parameters: over TP too."""
     order = full_state_dict_order(model)
     # A gather's bytes: at most the largest parameter's (alone, it is handed out as a view of
     # its gathered rows), or more small ones together.
@@ -39,14 +36,13 @@ def iter_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
             for name in names:
                 yield name, _cast(_whole(state[name]), dtype)
             continue
+        named = [(p, n) for p, n in zip(part.params, names) if n]
         # Shards with all-gather hooks of their own (tensor subclasses): their own gather.
-        hooked = [(p, n) for p, n in zip(part.params, names)
-                  if p.extension and not p.extension.hooks]
+        hooked = [(p, n) for p, n in named if p.extension and not p.extension.hooks]
         for p, name_group in hooked:
-            if name_group:
-                whole = p.sharded.full_tensor()  # type: ignore[attr-defined]
-                yield from ((name, _cast(whole, dtype)) for name in name_group)
-        plain = [(p, n) for p, n in zip(part.params, names) if (p, n) not in hooked]
+            whole = p.sharded.full_tensor()  # type: ignore[attr-defined]
+            yield from ((name, _cast(whole, dtype)) for name in name_group)
+        plain = [(p, n) for p, n in named if (p, n) not in hooked]
         for chunk in _chunks(plain, cap):
             gathered, offsets = _gather_bytes(part, [p for p, _ in chunk])
             for (p, start, end), (_, name_group) in zip(offsets, chunk):
@@ -57,9 +53,8 @@ def iter_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
 
 
 def full_state_dict_order(model: nn.Module) -> list[tuple[MeshPart | None, list[Any]]]:
-    """The units' parts in the state dict's order of their first entry, each with the names of
-    each of its parameters (a list per parameter, in the part's order: tied ones have
-    several); entries of no unit (buffers, ignored parameters) in runs of their own, under None."""
+    """Parts in state-dict order, each with a list of names per parameter (tied ones: several);
+    entries of no unit (buffers, ignored parameters) in runs of their own, under None."""
     of_param = {id(p.sharded): (part, p) for m in model.modules() if (s := state_of(m)) is not None
                 for part in s.unit.parts for p in part.params}
     order: list[tuple[MeshPart | None, list[Any]]] = []
@@ -74,20 +69,17 @@ def full_state_dict_order(model: nn.Module) -> list[tuple[MeshPart | None, list[
         part, p = source
         if id(part) not in by_part:
             by_part[id(part)] = {id(q): [] for q in part.params}
-            order.append((part, []))
+            order.append((part, list(by_part[id(part)].values())))  # filled as the loop goes on
         by_part[id(part)][id(p)].append(name)
-    return [(part, names if part is None else list(by_part[id(part)].values()))
-            for part, names in order]
+    return order
 
 
 def _chunks(params: list[tuple[ShardedParam, list[str]]], cap: int
             ) -> Iterator[list[tuple[ShardedParam, list[str]]]]:
-    """Runs of the named parameters, each of at most `cap` gathered bytes (or one parameter)."""
+    """Runs of the parameters, each of at most `cap` gathered bytes (or one parameter)."""
     chunk: list[tuple[ShardedParam, list[str]]] = []
     size = 0
     for p, names in params:
-        if not names:
-            continue
         nbytes = p.padded_shard.nbytes * p.layout.shard_size
         if chunk and size + nbytes > cap:
             yield chunk
@@ -100,9 +92,8 @@ def _chunks(params: list[tuple[ShardedParam, list[str]]], cap: int
 
 def _gather_bytes(part: MeshPart, params: list[ShardedParam]
                   ) -> tuple[torch.Tensor, list[tuple[ShardedParam, int, int]]]:
-    """Every rank's padded shards of `params` (of `part`), as bytes (rank r's in row r), and
-    each parameter's columns (8-byte aligned: they view as any dtype); one all-gather over the
-    part's shard group, this rank's row written in place (no buffer to send from)."""
+    """Every rank's padded shards of `params` as bytes (rank r's in row r; this rank's written
+    in place) and each one's columns (8-byte aligned: they view as any dtype)."""
     mesh = part.mesh
     sizes = [p.padded_shard.nbytes for p in params]
     starts = list(itertools.accumulate((n + -n % 8 for n in sizes[:-1]), initial=0))
@@ -124,10 +115,8 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def load_whole_items(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load whole tensors, `(name, tensor)` in any order (every rank the same: another model's
-    iter_full_state_dict, a safetensors reader on each rank), into `model`, sharded or not.
-    Each rank keeps its part of each tensor as it arrives (one copy of its shards at the peak);
-    a mismatch raises the same ValueError on every rank before the model changes."""
+    """Load `(name, tensor)` whole, in any order (the same on every rank), into `model`. Each rank
+    keeps its part as it arrives (a copy of its shards at the peak); a mismatch changes nothing."""
     state = model.state_dict()
     sharded = {name: p for part, names in full_state_dict_order(model) if part is not None
                for p, group in zip(part.params, names) for name in group}
