@@ -51,14 +51,14 @@ def write(folder: Path, optimizer: torch.optim.Optimizer | None,
 
 def read(folder: Path, optimizer: torch.optim.Optimizer | None,
          extra: Mapping[str, Stateful] | None, rng: bool) -> Callable[[], None]:
-    """Check this rank's file (or the first rank's); return what puts it in place, for later."""
+    """Check this rank's file (else rank 0's), raising on every rank; return what loads it."""
     own = folder / FILE.format(dist.get_rank() if dist.is_initialized() else 0)
     file = own if own.is_file() else folder / FILE.format(0)
     kept: dict[str, Any] = {}
     problem = None
     if file.is_file():
         try:
-            kept = torch.load(file, weights_only=True)
+            kept = torch.load(file, weights_only=True)  # no code runs
         except Exception as error:
             problem = (f"load_checkpoint: {str(file)!r} is damaged ({type(error).__name__}: "
                        f"{error}); nothing was loaded. Load another checkpoint.")

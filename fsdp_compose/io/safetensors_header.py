@@ -73,9 +73,8 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
     # Files beside the index, by plain name.
     if not isinstance(weight_map, dict) or not all(
-        isinstance(name, str) and isinstance(file, str) and file not in ("", "..")
-        and Path(file).name == file for name, file in weight_map.items()
-    ):
+            isinstance(name, str) and isinstance(file, str) and file not in ("", "..")
+            and Path(file).name == file for name, file in weight_map.items()):
         raise _unreadable(index, 'it has no "weight_map" object mapping tensor names to file '
                           'names beside it')
     files = sorted({path / name for name in weight_map.values()})

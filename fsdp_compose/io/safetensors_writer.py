@@ -67,8 +67,8 @@ class _Writer:
 
 
 class Saving:
-    """A failure removes the staging files and raises an OSError naming the file; one while
-    tensors stream in waits for the file's last one (others gather them): `next_file` raises."""
+    """The first rank's save, a file after another. A failure removes the staging files and
+    raises an OSError naming the file (one while tensors stream in: from `next_file`)."""
 
     def __init__(self, path: Path, files: list[tuple[Path, Entries]]) -> None:
         self._path = path

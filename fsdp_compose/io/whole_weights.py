@@ -23,8 +23,8 @@ def iter_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` for each entry of `model.state_dict()`, whole as `full_tensor()`
     gives it (floating point ones cast to `dtype`); call on every rank and consume every item.
-    One all-gather of exact bytes per mesh and unit (or piece of at least 4 MiB): a rank holds
-    its shards, one gather's bytes and the tensor handed out. TP parameters: over TP too."""
+    One all-gather of exact bytes per mesh and unit (or piece of at least 4 MiB), and one per
+    tensor-parallel parameter: a rank holds its shards, one gather and the tensor handed out."""
     order = full_state_dict_order(model)
     # A gather's bytes: at most the largest parameter's (alone, it is handed out as a view of
     # its gathered rows), or more small ones together.
