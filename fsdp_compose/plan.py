@@ -5,11 +5,10 @@ Llama before running them (see fsdp_compose.plan).
     python -m fsdp_compose.plan --model llama --world-size 64 --dim 512 --depth 8 --budget 1GiB
     python -m fsdp_compose.plan --model mypackage.models:build --world-size 8 --budget 1GiB
 
-`--model package.module:factory`: `factory()` returns `(model, sample_input)`, one rank's
-batch (or `(model, sample_input, loss_fn)`; the default loss is the output's sum); the module
-is imported as `python -m` would, from the current folder too. Sizes and batches are one
-rank's. The GPT is examples/train_gpt.py's (from a source checkout), the Llama transformers'
-LlamaForCausalLM. Progress goes to stderr, the ranked table to stdout."""
+`--model package.module:factory`: `factory()` returns `(model, sample_input)` (one rank's batch)
+or `(model, sample_input, loss_fn)` (default loss: the output's sum), imported as `python -m`
+would. The GPT is examples/train_gpt.py's (from a source checkout), the Llama transformers'
+LlamaForCausalLM. Sizes and batches are one rank's; progress goes to stderr, the table to stdout."""
 
 from __future__ import annotations
 
@@ -56,11 +55,10 @@ def _model(args: argparse.Namespace) -> tuple[Callable[[], nn.Module], torch.Ten
         return partial(GPT, args.vocab, args.dim, args.heads, args.depth, args.seq), batch, loss
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=4 * args.dim,
-        num_hidden_layers=args.depth, num_attention_heads=args.heads,
-        num_key_value_heads=max(1, args.heads // 2), max_position_embeddings=args.seq,
-    )
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.dim, num_hidden_layers=args.depth,
+                         intermediate_size=4 * args.dim, num_attention_heads=args.heads,
+                         num_key_value_heads=max(1, args.heads // 2),
+                         max_position_embeddings=args.seq)
 
     def llama_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         return model(input_ids=batch, labels=batch).loss  # type: ignore[no-any-return]
@@ -105,8 +103,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 class _CallableModule(types.ModuleType):
-    """`import fsdp_compose.plan` makes `fsdp_compose.plan` this module rather than the
-    function: calling it still plans."""
+    """Once imported, `fsdp_compose.plan` is this module, not the function: calling it plans."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> list[Plan]:
         return plan(*args, **kwargs)

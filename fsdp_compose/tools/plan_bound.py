@@ -1,6 +1,5 @@
 """A lower bound of a setup's simulated peak (peak_lower_bound), from ModelSizes measured on
-the model unsharded, far cheaper than a simulation: under a budget, plan() simulates only
-the setups whose bound is within it."""
+the model unsharded: under a budget, plan() simulates only the setups whose bound is within it."""
 
 from __future__ import annotations
 
@@ -23,13 +22,14 @@ class ModelSizes:
     params: int  # every parameter's bytes, once
     trained: int  # those of the parameters that get a gradient (and AdamW's state)
     blocks: tuple[int, ...]  # each block's parameter bytes
-    forward: dict[int | None, int]  # what a forward and loss leave allocated, by checkpoint_every
+    # What a forward and loss leave allocated, by checkpoint_every.
+    forward: dict[int | None, int]
 
 
 def peak_lower_bound(sizes: ModelSizes, setup: Setup, world_size: int) -> int:
-    """A lower bound of the peak per rank that plan() simulates for `setup`: the largest of
-    three moments every simulation passes through, counting only memory sure to be on the
-    device then (CPU offload keeps shards, gradients and AdamW's state off it)."""
+    """A lower bound of `setup`'s simulated peak per rank: the largest of three moments every
+    simulation passes, counting only memory sure to be on the device (CPU offload keeps shards,
+    gradients and AdamW's state off it)."""
     on_device = not setup.cpu_offload
 
     def shards_beside(whole: int) -> int:
@@ -48,14 +48,15 @@ def peak_lower_bound(sizes: ModelSizes, setup: Setup, world_size: int) -> int:
     # 3. The second forward done: what it left allocated and, without resharding, every
     #    block's parameters (reshard_after_forward=<int>'s pieces are not counted).
     kept = sum(sizes.blocks) if setup.reshard_after_forward is False else 0
-    after_forward = moments + kept + shards_beside(kept) + sizes.forward.get(setup.checkpoint_every, 0)
-    return max(at_step, computing, after_forward)
+    left = sizes.forward.get(setup.checkpoint_every, 0)
+    return max(at_step, computing, moments + kept + shards_beside(kept) + left)
 
 
-def model_sizes(build_model: Callable[[], nn.Module], blocks: str, sample_input: Any, loss_fn: LossFn,
-                device: torch.device, checkpointing: Iterable[int | None]) -> ModelSizes:
-    """The model's ModelSizes on `device`, with a forward for each checkpoint_blocks(every=...)
-    in `checkpointing` (None: none): the model unsharded, one rank's batch, no process group."""
+def model_sizes(build_model: Callable[[], nn.Module], blocks: str, sample_input: Any,
+                loss_fn: LossFn, device: torch.device,
+                checkpointing: Iterable[int | None]) -> ModelSizes:
+    """The model's ModelSizes, unsharded on `device` with one rank's batch and no process group,
+    with a forward for each checkpoint_blocks(every=...) in `checkpointing` (None: none)."""
     batch = move_batch(sample_input, device)
     model = build_model().to(device)
     params = _param_bytes(model.parameters())
@@ -82,8 +83,7 @@ def move_batch(sample_input: Any, device: torch.device) -> Any:
 
 def _forward_bytes(model: nn.Module, batch: Any, loss_fn: LossFn,
                    device: torch.device) -> tuple[int, torch.Tensor]:
-    """The bytes a forward and loss leave allocated on `device` (as MemTracker counts them in
-    the simulation too), and the loss."""
+    """The bytes a forward and loss leave allocated on `device` (as MemTracker counts), the loss."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -101,4 +101,5 @@ def device_total(snapshot: dict[torch.device, dict[str, int]], device: torch.dev
 
 
 def _param_bytes(params: Iterable[nn.Parameter]) -> int:
-    return sum(p.nbytes for p in {id(p): p for p in params}.values())  # a tied parameter once
+    # A tied parameter once.
+    return sum(p.nbytes for p in {id(p): p for p in params}.values())

@@ -1,10 +1,12 @@
 """Setup, one way to annotate a model that plan() tries, and Plan, what it costs per rank:
-its peak, its bytes communicated per step and its verdict under a budget."""
+its peak, bytes communicated per step and verdict under a budget; sizes in words and back."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any
 
 import torch
@@ -14,7 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..api.activation_checkpointing import checkpoint_blocks
 from ..api.fully_shard import fully_shard
 from ..param.policies import CPUOffloadPolicy, OffloadPolicy
-from .plan_bytes import size
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -68,8 +69,7 @@ class Setup:
 
 @dataclasses.dataclass
 class Plan:
-    """A setup and what it costs per rank and step: simulated, or (`simulated` False) ruled
-    out under the budget by a lower bound of its peak."""
+    """A setup's cost per rank and step: simulated, or (`simulated` False) its peak's bound."""
 
     setup: Setup
     peak_bytes: int  # tracked tensor memory per rank at its peak; not simulated: the bound
@@ -83,10 +83,9 @@ class Plan:
         parts = [self.setup.describe(), f"peak {self.peak_words()}"]
         if self.bytes_per_step is not None:
             parts.append(f"{size(self.bytes_per_step)}/step communicated")
-        verdict = self.verdict()
-        if verdict and self.fits is False and self.memory_budget is not None:
-            verdict += f" the {size(self.memory_budget)} budget"
-        return " | ".join(parts + ([verdict] if verdict else []))
+        if self.fits is False and self.memory_budget is not None:
+            return " | ".join([*parts, f"{self.verdict()} the {size(self.memory_budget)} budget"])
+        return " | ".join(parts + [self.verdict()] if self.fits is not None else parts)
 
     def peak_words(self) -> str:
         """The peak in words: "at least ..." where only its lower bound is known."""
@@ -94,12 +93,8 @@ class Plan:
 
     def verdict(self) -> str:
         """"fits", "does not fit[: <bytes> over]", or "" without a budget."""
-        if self.fits is None:
-            return ""
-        if self.fits:
-            return "fits"
-        if self.memory_budget is None:
-            return "does not fit"
+        if self.fits is not False or self.memory_budget is None:
+            return {None: "", True: "fits", False: "does not fit"}[self.fits]
         over = size(self.peak_bytes - self.memory_budget)
         return f"does not fit: {over if self.simulated else 'at least ' + over} over"
 
@@ -109,3 +104,34 @@ def block_list(model: nn.Module, blocks: str) -> nn.ModuleList:
     layers = model.get_submodule(blocks)
     assert isinstance(layers, nn.ModuleList), f"model.{blocks} is not a ModuleList"
     return layers
+
+
+def size(nbytes: float) -> str:
+    """Bytes in the largest binary unit (up to GiB) that keeps a number of at least 1."""
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
+
+
+_POWERS = {"k": (10, 3), "m": (20, 6), "g": (30, 9), "t": (40, 12)}  # of 2 with "i", else of 10
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(i?)(b?)|(b?))\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """"64MiB" (64 x 2^20), "64MB" (64 x 10^6), "2048" or "2048B" as bytes, in any case;
+    ValueError for anything else, or a unit without its B ("64M", "64Mi"): ambiguous."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (e.g. 64MiB = 64 x 2^20 bytes, 64MB = 64 x "
+                         "10^6 bytes, 2048 = 2048 bytes)")
+    number, unit, binary, b = match[1], (match[2] or "").lower(), match[3], match[4]
+    if not unit:
+        return int(Decimal(number))
+    two, ten = _POWERS[unit]
+    if not b:
+        decimal = unit if unit == "k" else unit.upper()
+        raise ValueError(f"an ambiguous size: {text!r}; say {number}{unit.upper()}iB (2^{two} "
+                         f"bytes) or {number}{decimal}B (10^{ten} bytes)")
+    return int(Decimal(number) * (2**two if binary else 10**ten))

@@ -1,7 +1,5 @@
 """plan(): try candidate setups of a model in one process before running it, and rank them.
-Each trains two AdamW steps as rank 0 of `world_size` ranks on the fake process group, under
-MemTracker (the peak) and a dispatch mode counting collective bytes; tells its progress on
-stderr, its plans as a table. Re-exports the planner (__all__)."""
+Each trains two AdamW steps as rank 0 of a fake process group, under MemTracker (the peak)."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .plan_bound import ModelSizes, device_total, model_sizes, move_batch, peak_lower_bound
-from .plan_bytes import parse_size, size
-from .plan_setup import LossFn, Plan, Setup, block_list
+from .plan_setup import LossFn, Plan, Setup, block_list, parse_size, size
 
 __all__ = ["LossFn", "ModelSizes", "Plan", "Setup", "candidates", "model_sizes", "parse_size",
            "peak_lower_bound", "plan", "ranking", "size", "table"]
@@ -31,12 +28,11 @@ def plan(build_model: Callable[[], nn.Module], *, world_size: int, sample_input:
          memory_budget: int | str | None = None, loss_fn: LossFn | None = None,
          setups: Sequence[Setup] | None = None, blocks: str | None = None,
          device: torch.device | str | None = None, quiet: bool = False) -> list[Plan]:
-    """Simulate `setups` (default: `candidates(...)`) of `build_model()` trained with AdamW on
-    `sample_input`, one rank's batch (loss: `loss_fn(model, input)`, default the output's sum),
-    as rank 0 of `world_size` ranks on `device` (default: the accelerator, else the CPU), here,
-    with no process group. Under `memory_budget` (bytes, or a size: "4MiB") a setup whose
-    peak_lower_bound exceeds it is not simulated (`simulated` False, the bound as its peak).
-    Returns the plans ranked as ranking() says; unless `quiet`, says on stderr which it is on."""
+    """Simulate `setups` (default: candidates()) of `build_model()`, trained with AdamW on one
+    rank's batch `sample_input` (loss: `loss_fn(model, input)`, default the output's sum), as
+    rank 0 of `world_size` on `device` (default: the accelerator, else the CPU), in this process,
+    which must have no process group. Under `memory_budget` (bytes or "4MiB"), a setup whose
+    peak_lower_bound exceeds it is not simulated. Ranked as ranking() says; progress on stderr."""
     try:  # before any simulation: a typo costs no minutes
         budget = parse_size(memory_budget) if isinstance(memory_budget, str) else memory_budget
     except ValueError as e:
@@ -69,8 +65,8 @@ def plan(build_model: Callable[[], nn.Module], *, world_size: int, sample_input:
         except (RuntimeError, NotImplementedError) as e:  # OutOfMemoryError is a RuntimeError
             # The unsharded model cannot run here: too large for the device, or parameters on
             # the meta device that only fully_shard initialises.
-            progress.note("no lower bounds, every setup simulated: the unsharded model failed "
-                          f"({e})")
+            progress.say("plan: no lower bounds, every setup simulated: the unsharded model "
+                         f"failed ({e})", end="\n")
     for k, setup in enumerate(setups, 1):
         code = setup.code(blocks, block_class)
         least = 0 if sizes is None else peak_lower_bound(sizes, setup, world_size)
@@ -78,18 +74,17 @@ def plan(build_model: Callable[[], nn.Module], *, world_size: int, sample_input:
             progress.show(k, f"not simulated (peak at least {size(least)}, over the budget): "
                              f"{setup.describe()}")
             plans.append(Plan(setup, least, None, False, code, budget, simulated=False))
-            continue
-        progress.show(k, f"simulating {setup.describe()}")
-        peak, sent = _simulate(build_model, setup, world_size, sample_input, loss_fn, blocks, on)
-        fits = None if budget is None else peak <= budget
-        plans.append(Plan(setup, peak, sent, fits, code, budget))
+        else:
+            progress.show(k, f"simulating {setup.describe()}")
+            peak, sent = _simulate(build_model, setup, world_size, sample_input, loss_fn, blocks, on)
+            fits = None if budget is None else peak <= budget
+            plans.append(Plan(setup, peak, sent, fits, code, budget))
     progress.finish(sum(not p.simulated for p in plans))
     return sorted(plans, key=_rank)
 
 
 def _rank(p: Plan) -> tuple[bool, bool, int, float, bool, int, int]:
-    """Plans that fit (or all, without a budget) by cost; misses by how far they miss; last
-    those ruled out by a bound, by that bound (the real peak behind it may miss by more)."""
+    """Fits (all, without a budget) by cost; then misses, nearest first; then bounds, lowest first."""
     miss = p.peak_bytes if p.fits is False else 0
     recompute = 1 / p.setup.checkpoint_every if p.setup.checkpoint_every else 0.0
     return (p.fits is False, not p.simulated, miss, recompute, p.setup.cpu_offload,
@@ -131,9 +126,8 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 
 def candidates(world_size: int, num_blocks: int, offload: bool = False) -> list[Setup]:
-    """Blocks per unit 1, 2 and all; reshard_after_forward True, False and (from 4 ranks)
-    half the ranks; checkpointing none, every other block, every block; with `offload`
-    (where it moves memory: an accelerator), each also with CPU offload."""
+    """Blocks per unit 1, 2, all; reshard_after_forward True, False, (from 4 ranks) half the ranks;
+    checkpointing none, every other, every block; with `offload` (an accelerator), each offloaded."""
     per_unit = sorted({k for k in (1, 2, num_blocks) if 1 <= k <= num_blocks})
     reshard: list[bool | int] = [True, False] + ([world_size // 2] if world_size >= 4 else [])
     return [Setup(k, r, c, o) for o in ((False, True) if offload else (False,))
@@ -205,17 +199,13 @@ class Progress:
     def show(self, k: int, what: str) -> None:
         line = f"candidate {k} of {self.total}, {time.monotonic() - self.started:.1f} s: {what}"
         done = 20 * (k - 1) // self.total
-        self._say(f"[{'#' * done}{'.' * (20 - done)}] {line}" if self.tty else f"plan: {line}")
-
-    def note(self, text: str) -> None:
-        if self.stream is not None:
-            print(f"plan: {text}", file=self.stream, flush=True)
+        self.say(f"[{'#' * done}{'.' * (20 - done)}] {line}" if self.tty else f"plan: {line}")
 
     def finish(self, ruled_out: int) -> None:
-        self._say(f"plan: {self.total} setups in {time.monotonic() - self.started:.1f} s, "
+        self.say(f"plan: {self.total} setups in {time.monotonic() - self.started:.1f} s, "
                   f"{ruled_out} ruled out by a lower bound without simulating", end="\n")
 
-    def _say(self, line: str, end: str = "") -> None:
+    def say(self, line: str, end: str = "") -> None:
         # On a terminal, over the last line (`end` "\n" ends it), cut to the terminal's
         # width: a line that wraps cannot be rewritten by \r.
         if self.tty:

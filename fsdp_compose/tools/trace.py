@@ -1,6 +1,5 @@
-"""StepTrace: what each unit did in one or more training steps, on this rank: its collectives (bytes,
-time blocked), its forward and backward compute, the memory held at each. While open it is the runtime's
-observer (comm/process_wide.py); each span is also a torch.profiler range "fsdp::<unit> <what> <pass>"."""
+"""StepTrace: what each unit did in one or more training steps, on this rank: its collectives
+(bytes, time blocked), its compute, the memory held at each, as the runtime's observer."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from ..comm import process_wide
@@ -19,6 +19,10 @@ from ..schedule.phase import in_backward
 from ..schedule.state import state_of
 from . import trace_report
 from .trace_report import ALL_GATHER, BACKWARD, COMPUTE, FORWARD, REDUCE_SCATTER, Span
+
+# The kind of span each runtime event opens (an issue) or closes (a wait).
+_OPENS = {process_wide.ISSUE_GATHER: ALL_GATHER, process_wide.ISSUE_REDUCE: REDUCE_SCATTER}
+_CLOSES = {process_wide.WAIT_GATHER: ALL_GATHER, process_wide.WAIT_REDUCE: REDUCE_SCATTER}
 
 
 class StepTrace:
@@ -30,9 +34,9 @@ class StepTrace:
         trace.save_chrome("step.json")  # every rank calls it: rank 0 writes all ranks
         trace.save_png("step.png")      # this rank's units over time, and memory
 
-    Memory at each span's end: on an accelerator the bytes its allocator holds; on the CPU
-    those fsdp_compose holds beyond the shards (unsharded parameters, communication buffers).
-    """
+    Memory at a span's end: on an accelerator its allocator's; on the CPU what fsdp_compose holds
+    beyond the shards (unsharded parameters, communication buffers). Each span is also a
+    torch.profiler range "fsdp::<unit> <what>"."""
 
     def __init__(self, model: nn.Module) -> None:
         self.spans: list[Span] = []
@@ -46,7 +50,8 @@ class StepTrace:
         self._open: dict[tuple[int, str, str], Span] = {}  # spans begun, not yet ended
         # Events begun, not yet ended: their start and profiler range, by (part, event).
         self._events: dict[tuple[int, str], tuple[float, Any]] = {}
-        self._device = next(iter(self._states.values())).unit.device  # every unit computes there
+        # Every unit computes on the same device.
+        self._device = next(iter(self._states.values())).unit.device
 
     # -- opening and closing -----------------------------------------------------------------
 
@@ -76,20 +81,21 @@ class StepTrace:
             if not in_backward():  # (a recomputation in backward belongs to backward)
                 self._begin(state, COMPUTE, FORWARD, self._now())
 
+        # The pre-hook runs after fully_shard's, the (prepended) post-hook before it.
         for module in state.modules:
-            self._hooks.append(module.register_forward_pre_hook(forward_began))  # after fully_shard's
-            self._hooks.append(module.register_forward_hook(  # before fully_shard's
+            self._hooks.append(module.register_forward_pre_hook(forward_began))
+            self._hooks.append(module.register_forward_hook(
                 lambda *_: self._end(state, COMPUTE, FORWARD), prepend=True))
 
-    # -- the runtime's events (see comm/process_wide.py) -------------------------------------------------
+    # -- the runtime's events (see comm/process_wide.py) -------------------------------------
 
     def begin(self, part: object, event: str) -> None:
         if (state := self._part_of.get(id(part))) is None:
             return  # another model's unit
-        name = f"fsdp::{self._name(state)} {event}"
+        name = f"fsdp::{_name(state)} {event}"
         if event == process_wide.ISSUE_GATHER:
             name += f" {BACKWARD if in_backward() else FORWARD}"
-        self._events[id(part), event] = (self._now(), torch.profiler.record_function(name).__enter__())
+        self._events[id(part), event] = self._now(), record_function(name).__enter__()
 
     def end(self, part: object, event: str, nbytes: int = 0) -> None:
         if (state := self._part_of.get(id(part))) is None:
@@ -97,15 +103,11 @@ class StepTrace:
         begun, record = self._events.pop((id(part), event))
         record.__exit__(None, None, None)
         blocked = self._now() - begun
-        if event == process_wide.ISSUE_GATHER:
-            phase = BACKWARD if in_backward() else FORWARD
-            self._begin(state, ALL_GATHER, phase, begun, by=part, nbytes=nbytes, blocked=blocked)
-        elif event == process_wide.WAIT_GATHER:
-            self._end(part, ALL_GATHER, None, blocked)
-        elif event == process_wide.ISSUE_REDUCE and nbytes:
-            self._begin(state, REDUCE_SCATTER, BACKWARD, begun, by=part, nbytes=nbytes, blocked=blocked)
-        elif event == process_wide.WAIT_REDUCE:
-            self._end(part, REDUCE_SCATTER, BACKWARD, blocked)
+        if event in _CLOSES:
+            self._end(part, _CLOSES[event], None, blocked)
+        elif event == process_wide.ISSUE_GATHER or nbytes:  # (a reduction of nothing: no span)
+            phase = FORWARD if event == process_wide.ISSUE_GATHER and not in_backward() else BACKWARD
+            self._begin(state, _OPENS[event], phase, begun, part, nbytes=nbytes, blocked=blocked)
 
     def backward_began(self, state: object) -> None:
         if id(state) in self._states and (id(state), COMPUTE, BACKWARD) not in self._open:
@@ -116,21 +118,16 @@ class StepTrace:
 
     # -- what is recorded ----------------------------------------------------------------------
 
-    def _name(self, state: UnitState) -> str:
-        return state.unit.fqn_prefix.rstrip(".")
-
     def _begin(self, state: UnitState, kind: str, phase: str, start: float, by: object = None,
                **fields: Any) -> None:
-        """A span of `state`'s unit begins; `by` (default the unit) tells apart overlapping
-        spans of one unit (its parts' collectives, on several meshes)."""
+        """Open a span of `state`'s unit; `by` (default: the unit) tells its parts' spans apart."""
         key = id(state if by is None else by), kind, phase
-        self._open[key] = Span(self._name(state), kind, phase, start, start, **fields)
+        self._open[key] = Span(_name(state), kind, phase, start, start, **fields)
 
     def _end(self, by: object, kind: str, phase: str | None = None, blocked: float = 0.0) -> None:
-        """End the open span of `kind` begun `by` (a unit's state, or a part), in `phase` or either."""
+        """End the span of `kind` that `by` (a unit's state or a part) opened, in `phase` or any."""
         for p in (phase,) if phase else (FORWARD, BACKWARD):
-            span = self._open.pop((id(by), kind, p), None)
-            if span is not None:
+            if (span := self._open.pop((id(by), kind, p), None)) is not None:
                 span.end = self._now()
                 span.blocked += blocked
                 span.memory = self.memory()
@@ -146,15 +143,19 @@ class StepTrace:
     # -- results -------------------------------------------------------------------------------
 
     def table(self) -> str:
-        """Per unit and pass: collectives' bytes and ms, compute, communication not hidden, peak memory."""
+        """Per unit and pass: collectives' bytes and ms, compute, exposed time, peak memory."""
         return trace_report.unit_table(self.spans, on_cpu=self._device.type == "cpu")
 
     def save_chrome(self, path: str) -> None:
-        """A Chrome trace (Perfetto, chrome://tracing) of every rank: all call it, the first writes."""
+        """A Chrome trace (Perfetto, chrome://tracing) of all ranks: all call it, rank 0 writes."""
         spans = every_rank(self.spans)
         if self.rank == 0:
             trace_report.chrome_trace(path, spans)
 
     def save_png(self, path: str) -> None:
-        """This rank's units over time above the memory held; needs matplotlib (fsdp_compose[bench])."""
+        """This rank's units over time above the memory held; needs matplotlib ([bench])."""
         trace_report.draw_timeline(path, self.spans, self.rank)
+
+
+def _name(state: UnitState) -> str:
+    return state.unit.fqn_prefix.rstrip(".")

@@ -35,8 +35,7 @@ def _label(unit: str) -> str:
 
 
 def unit_table(spans: Sequence[Span], on_cpu: bool) -> str:
-    """One row per unit and pass, in the order the units first ran in that pass; a unit's
-    compute is its own, without that of units running inside it (the root's children)."""
+    """A row per unit and pass, in order of first run; a unit's compute excludes inner units'."""
     rows: dict[tuple[str, str], defaultdict[str, float]] = {}
     for s in sorted(spans, key=lambda s: s.start):
         row = rows.setdefault((s.phase, s.unit), defaultdict(float))
@@ -55,8 +54,8 @@ def unit_table(spans: Sequence[Span], on_cpu: bool) -> str:
         lines.append(f"{phase:<9}{_label(unit)[:23]:<24}"
                      + "".join(f"{row[key]:>{w}.3f}" for key, w in columns.values()))
     exposed = sum(s.blocked for s in spans) * 1e3
-    lines.append(f"communication not hidden by compute: {exposed:.3f} ms (time blocked in collectives)")
-    lines.append("compute: each unit's own, without the units running inside it")
+    lines += [f"communication not hidden by compute: {exposed:.3f} ms (time blocked in "
+              "collectives)", "compute: each unit's own, without the units running inside it"]
     return "\n".join(lines)
 
 
@@ -74,28 +73,27 @@ def _own(span: Span, spans: Sequence[Span]) -> float:
 
 
 def chrome_trace(path: str, ranks: Sequence[Sequence[Span]]) -> None:
-    """Trace Event Format: a process per rank, a thread per lane, complete ("X") events in
-    microseconds, and a "memory" counter per rank."""
+    """Trace Event Format: a process per rank, a thread per lane, a "memory" counter per rank."""
     events: list[dict[str, Any]] = []
     for rank, spans in enumerate(ranks):
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
-        for tid, lane in enumerate(_LANES):
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane}})
+        events.append({"ph": "M", "name": "process_name", "pid": rank,
+                       "args": {"name": f"rank {rank}"}})
+        events += [{"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
+                    "args": {"name": lane}} for tid, lane in enumerate(_LANES)]
         for s in spans:
-            events.append({
-                "ph": "X", "name": f"{_label(s.unit)} {s.kind}", "cat": s.phase, "pid": rank,
-                "tid": _LANES.index(s.kind), "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6,
-                "args": {"bytes": s.nbytes, "blocked_us": s.blocked * 1e6, "pass": s.phase},
-            })
-            events.append({"ph": "C", "name": "memory", "pid": rank, "ts": s.end * 1e6,
-                           "args": {"MiB": s.memory / _MIB}})
+            # Complete events, in microseconds.
+            events += [{"ph": "X", "name": f"{_label(s.unit)} {s.kind}", "cat": s.phase,
+                        "pid": rank, "tid": _LANES.index(s.kind), "ts": s.start * 1e6,
+                        "dur": (s.end - s.start) * 1e6, "args": {
+                            "bytes": s.nbytes, "blocked_us": s.blocked * 1e6, "pass": s.phase}},
+                       {"ph": "C", "name": "memory", "pid": rank, "ts": s.end * 1e6,
+                        "args": {"MiB": s.memory / _MIB}}]
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
 def draw_timeline(path: str, spans: Sequence[Span], rank: int) -> None:
-    """A row per unit (forward compute, backward compute, collectives as thin bars), and
-    below it the memory held over time."""
+    """A row per unit (compute, and collectives as thin bars), below it the memory held."""
     import matplotlib  # an optional dependency: fsdp_compose[bench]
 
     matplotlib.use("Agg")
@@ -103,11 +101,13 @@ def draw_timeline(path: str, spans: Sequence[Span], rank: int) -> None:
 
     units = list(dict.fromkeys(s.unit for s in sorted(spans, key=lambda s: s.start)))
     # Compute by pass, collectives by kind.
-    colors = {FORWARD: "tab:blue", BACKWARD: "tab:orange", ALL_GATHER: "tab:green", REDUCE_SCATTER: "tab:red"}
+    colors = {FORWARD: "tab:blue", BACKWARD: "tab:orange", ALL_GATHER: "tab:green",
+              REDUCE_SCATTER: "tab:red"}
     # Rows count down (the axis is inverted): all-gathers drawn above compute, reductions below.
     offsets = {COMPUTE: (-0.3, 0.6), ALL_GATHER: (-0.5, 0.18), REDUCE_SCATTER: (0.32, 0.18)}
-    figure, (lanes, memory) = plt.subplots(2, 1, figsize=(10, 1.2 + 0.45 * len(units)), sharex=True,
-                                           gridspec_kw={"height_ratios": [max(len(units), 2), 2]})
+    figure, (lanes, memory) = plt.subplots(
+        2, 1, figsize=(10, 1.2 + 0.45 * len(units)), sharex=True,
+        gridspec_kw={"height_ratios": [max(len(units), 2), 2]})
     for s in spans:
         y, height = offsets[s.kind]
         color = colors[s.phase if s.kind == COMPUTE else s.kind]
