@@ -36,10 +36,9 @@ def check_modules(modules: list[nn.Module]) -> None:
             raise ValueError(
                 f"{where}: this module is already annotated; call fully_shard once per module.")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
-            raise ValueError(
-                f"{where}: a container without forward is never called, so its unit would never "
-                "gather. Annotate its children (for block in container: fully_shard(block)), or "
-                "pass them as one unit: fully_shard(list(container)).")
+            raise ValueError(f"{where}: a container without forward is never called, so its "
+                             "unit would never gather. Annotate its children, or make them one "
+                             "unit: fully_shard(list(container)).")
 
 
 def check_reshard_after_forward(value: object, where: str, shard_size: int | None) -> None:
@@ -128,8 +127,7 @@ def check_mesh(where: str, mesh: object, dp_mesh_dims: object, reshard: object) 
         raise ValueError(
             f"{where}: rank {dist.get_rank()} is not in the mesh (shape {tuple(mesh.shape)}, dims "
             f"{mesh.mesh_dim_names or 'unnamed'}, ranks {listed}): build the mesh over ranks that "
-            "include every rank that calls fully_shard with it (e.g. init_device_mesh over the "
-            "whole world), or call fully_shard with it only on the mesh's ranks.")
+            "include every rank that calls fully_shard with it, or call it only on those ranks.")
     if dp_mesh_dims is not None:
         check_dp_mesh_dims(where, mesh, dp_mesh_dims, reshard)
     device_type = mesh.device_type
@@ -137,25 +135,23 @@ def check_mesh(where: str, mesh: object, dp_mesh_dims: object, reshard: object) 
     if device_type != "cpu" and not (callable(is_available) and is_available()):
         raise ValueError(
             f"{where}: the mesh is on device type {device_type!r}, which this torch build or "
-            f"machine does not have (torch.{device_type}.is_available() is False). Build the "
-            "mesh on \"cpu\" (gloo), or run where that device is present.")
+            "machine does not have. Build the mesh on \"cpu\" (gloo), or run where it is.")
     if mesh.ndim not in (1, 2) and dp_mesh_dims is None:
         raise ValueError(
-            f"{where}: the mesh has {mesh.ndim} dimensions; pass a 1-D mesh (full sharding) or "
-            "a 2-D (replicate, shard) mesh (HSDP), e.g. mesh['dp'], or name its data-parallel "
-            "dims with dp_mesh_dims.")
+            f"{where}: the mesh has {mesh.ndim} dimensions; pass a 1-D mesh (full sharding), a "
+            "2-D (replicate, shard) mesh (HSDP), or name its data-parallel dims in dp_mesh_dims.")
     if mesh.ndim == 2 and dp_mesh_dims is None and mesh.size(1) == 1 < mesh.size(0):
         names = mesh.mesh_dim_names or ("0", "1")
         warnings.warn(
             f"{where}: the mesh's shard dimension {names[1]!r} has size 1 (shape "
-            f"{tuple(mesh.shape)}, dims {names}): a 2-D mesh is HSDP, replicating over dim 0 and "
-            f"sharding over dim 1, so every rank keeps whole parameters. To shard over "
-            f"{names[0]!r}, pass the 1-D mesh mesh[{names[0]!r}].", stacklevel=3)
+            f"{tuple(mesh.shape)}, dims {names}), so every rank keeps whole parameters (a 2-D "
+            f"mesh is HSDP: dim 1 shards). To shard over {names[0]!r}, pass mesh[{names[0]!r}].",
+            stacklevel=3)
     check_reshard_after_forward(reshard, where, mesh.size(mesh.ndim - 1))
 
 
 def unit_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """(fqn prefix, module) for `module` and its submodules outside inner units, parents first."""
+    """(fqn prefix, module) for `module` and its submodules outside inner units."""
     yield prefix, module
     for name, child in module._modules.items():
         if child is not None and state_of(child) is None:  # an inner unit's are its own
@@ -163,8 +159,8 @@ def unit_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.
 
 
 def collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> Collected:
-    """(fqn, parameter, holders) for each parameter under `modules` that no inner unit
-    claimed and not ignored (it may be tied to another unit's: see schedule/tied.py)."""
+    """(fqn, parameter, holders) of the parameters under `modules`, not ignored, no inner unit
+    claimed (one may be tied to another unit's: see schedule/tied.py)."""
     found: dict[int, tuple[str, nn.Parameter, Holders]] = {}
     for prefix, module in [pair for m in modules for pair in unit_modules(m)]:
         for attr, param in module._parameters.items():
@@ -182,16 +178,14 @@ def check_tensor_parallel(where: str, param: DTensor, mesh: DeviceMesh) -> None:
         raise ValueError(
             f"{where} is a DTensor on mesh {tp_mesh} with {param.placements}, which is not a "
             f"tensor-parallel part of the same device mesh as fully_shard's mesh {mesh}. Build one "
-            "mesh, e.g. init_device_mesh(..., mesh_dim_names=('dp', 'tp')), parallelize on "
-            "mesh['tp'] and pass mesh=mesh['dp'].")
+            "mesh with dims ('dp', 'tp'), parallelize on mesh['tp'] and pass mesh=mesh['dp'].")
 
 
 def refuse_post_forward_tensor_parallel(where: str, fqn: str) -> None:
     """reshard_after_forward=<int> keeps pieces of plain tensors only."""
     raise NotImplementedError(
-        f"{where}: reshard_after_forward=<int> (a smaller post-forward group) with the "
-        f"tensor-parallel parameter {fqn!r} is not supported (torch's fully_shard refuses it "
-        "too); pass reshard_after_forward=True or False for units with DTensor parameters.")
+        f"{where}: reshard_after_forward=<int> is not supported with the tensor-parallel parameter "
+        f"{fqn!r}, as in torch; pass reshard_after_forward=True or False for units of DTensors.")
 
 
 def check_params(name: str, collected: Collected, device: torch.device,

@@ -19,11 +19,9 @@ class FSDPModule(Setters):
     def __new__(cls, *args: Any, **kwargs: Any) -> FSDPModule:
         # Containers such as nn.Sequential build new instances of their own class when
         # sliced; those are plain modules of the original class, not annotated ones.
-        original: type[nn.Module] = next(
+        original = next(
             c for c in cls.__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
-        module = original.__new__(original)
-        original.__init__(module, *args, **kwargs)
-        return cast(FSDPModule, module)
+        return cast(FSDPModule, original(*args, **kwargs))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         raise TypeError(

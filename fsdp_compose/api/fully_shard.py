@@ -130,8 +130,7 @@ def _annotate(
     for param, (_, param_mesh) in zip(params, placements):
         by_mesh.setdefault(id(param_mesh), (param_mesh, []))[1].append(param)
     settings = UnitSettings(reshard_after_forward=resolved.reshard_after_forward)
-    parts = [MeshPart(group, mesh, name, settings) for mesh, group in by_mesh.values()]
-    unit = Unit(parts, settings)
+    unit = Unit([MeshPart(g, mesh, name, settings) for mesh, g in by_mesh.values()], settings)
     unit.set_post_forward_meshes([mesh.post_forward_mesh for mesh, _ in by_mesh.values()])
     state = UnitState(modules, unit, mp_policy)
     for (_, original, _), param in zip(collected, params):

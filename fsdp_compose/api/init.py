@@ -32,6 +32,7 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
             "fully_shard on it (and its blocks) first, then materialize it.")
     if init_fn is None:
         _check_resettable(module)
+    init = init_fn or (lambda m: m.reset_parameters())  # type: ignore[operator]
     states = [state for m in module.modules() if (state := state_of(m)) is not None]
     owned = {  # (id(owner), attribute) -> the sharded parameter there
         (id(owner), attr): param for state in states for param in state.unit.params
@@ -48,10 +49,7 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
         mine = [(attr, owned.get((id(m), attr))) for attr in m._parameters]
         if not _materialize_own(m, mine, device, whole, owners_left):
             return
-        if init_fn is not None:
-            init_fn(m)
-        else:
-            m.reset_parameters()  # type: ignore[operator]
+        init(m)
         for _, param in mine:  # after its last owner's init, keep this rank's shard of `param`
             if param is not None and param in whole:
                 owners_left[param] -= 1
@@ -77,8 +75,7 @@ def _materialize_own(
             if param.is_tensor_parallel:
                 raise NotImplementedError(
                     f"materialize: {type(m).__name__}.{attr} is tensor-parallel; materialise "
-                    "the model before parallelize_module, or use model.to_empty(device=...) "
-                    "and initialise the DTensor parameters.")
+                    "before parallelize_module, or use model.to_empty(device=...) and init.")
             if param not in whole:
                 tensor = torch.empty(param.layout.shape, dtype=param.sharded.dtype, device=device)
                 whole[param] = nn.Parameter(tensor, requires_grad=param.sharded.requires_grad)
@@ -105,8 +102,7 @@ def _check_resettable(module: nn.Module) -> None:
         if on_meta and not callable(getattr(m, "reset_parameters", None)):
             raise ValueError(
                 f"materialize: {type(m).__name__} at {fqn or '<root>'!r} has parameters or "
-                "buffers on the meta device but no reset_parameters(); pass "
-                "init_fn=<function of a module> that initialises them.")
+                "buffers on the meta device but no reset_parameters(); pass init_fn=<function>.")
 
 
 def sync_from_first_rank(tensors: Iterable[torch.Tensor], mesh: DeviceMesh,

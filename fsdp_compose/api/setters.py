@@ -110,8 +110,7 @@ class Setters:
         self._write("requires_gradient_sync", requires_gradient_sync, recurse)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: with False, backward reduce-scatters but defers the all-reduce across replicas
-        to the next backward with True."""
+        """HSDP: with False, backward defers the all-reduce over replicas to the next with True."""
         self._write("requires_all_reduce", requires_all_reduce, recurse)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
@@ -190,8 +189,7 @@ class Setters:
     # -- torch's, not here ------------------------------------------------------------------
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for torch's API and does nothing: every backward here finishes its
-        reductions (torch's skips some work before the last one)."""
+        """Torch's; a no-op here, where every backward finishes its reductions."""
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """Newer torch's; does nothing here (every backward finishes its reductions; call

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import importlib.util
 import sys
 import warnings
 from types import ModuleType
@@ -56,7 +57,8 @@ def replace_torch_fsdp() -> TorchFSDPSwitch:
     in torch.distributed.fsdp and its re-exports; the handle's `restore()` undoes it. A no-op
     while on. Raises RuntimeError once torch's fully_shard annotated a module; warns about
     modules that bound torch's names first (`python -m fsdp_compose.run` switches first)."""
-    modules = [m for m in map(_imported, TORCH_MODULES) if m is not None]
+    # find_spec: None for a re-export this torch does not have.
+    modules = [importlib.import_module(n) for n in TORCH_MODULES if importlib.util.find_spec(n)]
     torch_fsdp = modules[0]
     if getattr(torch_fsdp, "fully_shard", None) is fully_shard:
         return TorchFSDPSwitch([])
@@ -85,11 +87,4 @@ def replace_torch_fsdp() -> TorchFSDPSwitch:
     for module, name, _ in replaced:
         setattr(module, name, OURS[name])
     return TorchFSDPSwitch(replaced)
-
-
-def _imported(name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(name)
-    except ImportError:  # a re-export this torch does not have
-        return None
 
