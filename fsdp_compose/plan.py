@@ -1,14 +1,12 @@
 """python -m fsdp_compose.plan: rank setups of your model, the example GPT or a Hugging Face
 Llama before running them (see fsdp_compose.plan).
 
-    python -m fsdp_compose.plan --model gpt --world-size 8 --budget 64MiB
     python -m fsdp_compose.plan --model llama --world-size 64 --dim 512 --depth 8 --budget 1GiB
     python -m fsdp_compose.plan --model mypackage.models:build --world-size 8 --budget 1GiB
 
-`--model package.module:factory`: `factory()` returns `(model, sample_input)` (one rank's batch)
-or `(model, sample_input, loss_fn)` (default loss: the output's sum), imported as `python -m`
-would. The GPT is examples/train_gpt.py's (from a source checkout), the Llama transformers'
-LlamaForCausalLM. Sizes and batches are one rank's; progress goes to stderr, the table to stdout."""
+`factory()` returns `(model, sample_input)` or `(model, sample_input, loss_fn)` (default loss:
+the output's sum). The GPT is examples/train_gpt.py's, the Llama transformers'. Sizes and
+batches are one rank's; progress goes to stderr, the table to stdout."""
 
 from __future__ import annotations
 

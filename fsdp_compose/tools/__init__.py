@@ -1,1 +1,1 @@
-"""Around the runtime: StepTrace and its report, the planner, and gradient clipping across meshes."""
+"""Around the runtime: StepTrace and its report, the planner, and gradient clipping over meshes."""

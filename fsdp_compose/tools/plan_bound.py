@@ -28,35 +28,31 @@ class ModelSizes:
 
 def peak_lower_bound(sizes: ModelSizes, setup: Setup, world_size: int) -> int:
     """A lower bound of `setup`'s simulated peak per rank: the largest of three moments every
-    simulation passes, counting only memory sure to be on the device (CPU offload keeps shards,
-    gradients and AdamW's state off it)."""
-    on_device = not setup.cpu_offload
+    simulation passes, counting only memory sure to be on the device (CPU offload moves some)."""
+    def sharded(nbytes: int) -> int:  # on the device: none where CPU offload keeps them off
+        return 0 if setup.cpu_offload else nbytes // world_size
 
-    def shards_beside(whole: int) -> int:
-        # At one rank the unsharded parameters may be the shards themselves, not a copy.
-        return (sizes.params - whole) // world_size if on_device else 0
-
-    moments = 2 * sizes.trained // world_size if on_device else 0  # AdamW's, from step 1 on
+    moments = sharded(2 * sizes.trained)  # AdamW's, from step 1 on
     # 1. AdamW's step: the shards, their gradients and both moments.
-    at_step = (sizes.params + 3 * sizes.trained) // world_size if on_device else 0
+    at_step = sharded(sizes.params + 3 * sizes.trained)
     # 2. A unit computing in the second forward: its parameters whole. (The root's are the
     #    model's outside the blocks; shared ones may make that negative.)
     k = setup.blocks_per_unit
     units = [sum(sizes.blocks[i:i + k]) for i in range(0, len(sizes.blocks), k)]
     units.append(max(0, sizes.params - sum(sizes.blocks)))
-    computing = moments + max(u + shards_beside(u) for u in units)
+    # At one rank the unsharded parameters may be the shards themselves, not a copy.
+    computing = moments + max(u + sharded(sizes.params - u) for u in units)
     # 3. The second forward done: what it left allocated and, without resharding, every
     #    block's parameters (reshard_after_forward=<int>'s pieces are not counted).
     kept = sum(sizes.blocks) if setup.reshard_after_forward is False else 0
     left = sizes.forward.get(setup.checkpoint_every, 0)
-    return max(at_step, computing, moments + kept + shards_beside(kept) + left)
+    return max(at_step, computing, moments + kept + sharded(sizes.params - kept) + left)
 
 
 def model_sizes(build_model: Callable[[], nn.Module], blocks: str, sample_input: Any,
                 loss_fn: LossFn, device: torch.device,
                 checkpointing: Iterable[int | None]) -> ModelSizes:
-    """The model's ModelSizes, unsharded on `device` with one rank's batch and no process group,
-    with a forward for each checkpoint_blocks(every=...) in `checkpointing` (None: none)."""
+    """The model's ModelSizes (unsharded, one rank's batch), a forward per `checkpointing`."""
     batch = move_batch(sample_input, device)
     model = build_model().to(device)
     params = _param_bytes(model.parameters())

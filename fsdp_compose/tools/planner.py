@@ -74,17 +74,17 @@ def plan(build_model: Callable[[], nn.Module], *, world_size: int, sample_input:
             progress.show(k, f"not simulated (peak at least {size(least)}, over the budget): "
                              f"{setup.describe()}")
             plans.append(Plan(setup, least, None, False, code, budget, simulated=False))
-        else:
-            progress.show(k, f"simulating {setup.describe()}")
-            peak, sent = _simulate(build_model, setup, world_size, sample_input, loss_fn, blocks, on)
-            fits = None if budget is None else peak <= budget
-            plans.append(Plan(setup, peak, sent, fits, code, budget))
+            continue
+        progress.show(k, f"simulating {setup.describe()}")
+        peak, sent = _simulate(build_model, setup, world_size, sample_input, loss_fn, blocks, on)
+        fits = None if budget is None else peak <= budget
+        plans.append(Plan(setup, peak, sent, fits, code, budget))
     progress.finish(sum(not p.simulated for p in plans))
     return sorted(plans, key=_rank)
 
 
 def _rank(p: Plan) -> tuple[bool, bool, int, float, bool, int, int]:
-    """Fits (all, without a budget) by cost; then misses, nearest first; then bounds, lowest first."""
+    """Fits (all, without a budget) by cost; then misses, nearest first; then bounds, lowest."""
     miss = p.peak_bytes if p.fits is False else 0
     recompute = 1 / p.setup.checkpoint_every if p.setup.checkpoint_every else 0.0
     return (p.fits is False, not p.simulated, miss, recompute, p.setup.cpu_offload,
@@ -107,11 +107,10 @@ def ranking(budgeted: bool) -> str:
     """How plan() orders its plans (_rank), in words."""
     costs = ("by less recomputation (a smaller share of blocks checkpointed), then no CPU "
              "offload, then fewer bytes communicated, then a lower peak")
-    if not budgeted:
-        return f"Ranked {costs}."
-    return (f"Ranked: the setups that fit the budget first, {costs}; then those over it, the "
-            "lowest simulated peak (the nearest miss) first; last, those a lower bound of the "
-            "peak rules out without simulating, the lowest bound first.")
+    return f"Ranked {costs}." if not budgeted else (
+        f"Ranked: the setups that fit the budget first, {costs}; then those over it, the lowest "
+        "simulated peak (the nearest miss) first; last, those a lower bound of the peak rules "
+        "out without simulating, the lowest bound first.")
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -126,8 +125,8 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 
 def candidates(world_size: int, num_blocks: int, offload: bool = False) -> list[Setup]:
-    """Blocks per unit 1, 2, all; reshard_after_forward True, False, (from 4 ranks) half the ranks;
-    checkpointing none, every other, every block; with `offload` (an accelerator), each offloaded."""
+    """Blocks per unit 1, 2, all; reshard_after_forward True, False, (from 4 ranks) world_size/2;
+    checkpointing none, every other, every block; with `offload` (on a GPU), each offloaded too."""
     per_unit = sorted({k for k in (1, 2, num_blocks) if 1 <= k <= num_blocks})
     reshard: list[bool | int] = [True, False] + ([world_size // 2] if world_size >= 4 else [])
     return [Setup(k, r, c, o) for o in ((False, True) if offload else (False,))

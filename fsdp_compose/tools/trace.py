@@ -66,9 +66,8 @@ class StepTrace:
 
     def __exit__(self, *exc: object) -> None:
         process_wide.observe(None)
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        while self._hooks:
+            self._hooks.pop().remove()
         for _, record in self._events.values():  # ranges an exception left open
             record.__exit__(None, None, None)
         self._events.clear()
@@ -92,7 +91,7 @@ class StepTrace:
     def begin(self, part: object, event: str) -> None:
         if (state := self._part_of.get(id(part))) is None:
             return  # another model's unit
-        name = f"fsdp::{_name(state)} {event}"
+        name = f"fsdp::{state.unit.fqn_prefix.rstrip('.')} {event}"
         if event == process_wide.ISSUE_GATHER:
             name += f" {BACKWARD if in_backward() else FORWARD}"
         self._events[id(part), event] = self._now(), record_function(name).__enter__()
@@ -106,7 +105,8 @@ class StepTrace:
         if event in _CLOSES:
             self._end(part, _CLOSES[event], None, blocked)
         elif event == process_wide.ISSUE_GATHER or nbytes:  # (a reduction of nothing: no span)
-            phase = FORWARD if event == process_wide.ISSUE_GATHER and not in_backward() else BACKWARD
+            forward = event == process_wide.ISSUE_GATHER and not in_backward()
+            phase = FORWARD if forward else BACKWARD
             self._begin(state, _OPENS[event], phase, begun, part, nbytes=nbytes, blocked=blocked)
 
     def backward_began(self, state: object) -> None:
@@ -122,7 +122,8 @@ class StepTrace:
                **fields: Any) -> None:
         """Open a span of `state`'s unit; `by` (default: the unit) tells its parts' spans apart."""
         key = id(state if by is None else by), kind, phase
-        self._open[key] = Span(_name(state), kind, phase, start, start, **fields)
+        self._open[key] = Span(state.unit.fqn_prefix.rstrip("."), kind, phase, start, start,
+                               **fields)
 
     def _end(self, by: object, kind: str, phase: str | None = None, blocked: float = 0.0) -> None:
         """End the span of `kind` that `by` (a unit's state or a part) opened, in `phase` or any."""
@@ -155,7 +156,3 @@ class StepTrace:
     def save_png(self, path: str) -> None:
         """This rank's units over time above the memory held; needs matplotlib ([bench])."""
         trace_report.draw_timeline(path, self.spans, self.rank)
-
-
-def _name(state: UnitState) -> str:
-    return state.unit.fqn_prefix.rstrip(".")
