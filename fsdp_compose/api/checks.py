@@ -43,12 +43,12 @@ def check_modules(modules: list[nn.Module]) -> None:
 
 def check_reshard_after_forward(value: object, where: str, shard_size: int | None) -> None:
     """A bool, None, or an int group size that divides the mesh's shard size."""
-    if isinstance(value, bool) or value is None:
-        return
-    if not isinstance(value, int):
+    if not isinstance(value, (int, type(None))):
         raise TypeError(f"{where}: reshard_after_forward must be a bool, None or an int group "
                         f"size, got {type(value).__name__} {value!r}")
-    if shard_size is not None and (value < 1 or shard_size % value):
+    if isinstance(value, bool) or value is None or shard_size is None:
+        return
+    if value < 1 or shard_size % value:
         raise ValueError(f"{where}: reshard_after_forward={value} must divide the mesh's shard "
                          f"size {shard_size} (e.g. the ranks of one host), or be True or False.")
 
@@ -91,27 +91,23 @@ def check_dp_mesh_dims(where: str, mesh: DeviceMesh, dims: object, reshard: obje
     if set(shard) & set(replicate):
         raise ValueError(f"{where}: {dims} names the same mesh dim to shard and to replicate.")
     if isinstance(reshard, int) and not isinstance(reshard, bool):
-        raise NotImplementedError(
-            f"{where}: reshard_after_forward as int is not yet supported with SPMD mesh "
-            "(dp_mesh_dims), as in torch's fully_shard; pass a bool.")
+        raise NotImplementedError(f"{where}: reshard_after_forward as int is not yet supported "
+                                  "with SPMD mesh (dp_mesh_dims), as in torch; pass a bool.")
 
 
 def check_spmd_param(where: str, param: nn.Parameter, spmd: SpmdDims) -> None:
     """With dp_mesh_dims, a DTensor on the full mesh, replicated over the data-parallel dims."""
     if not isinstance(param, DTensor):
-        raise ValueError(
-            f"{where}: When dp_mesh_dims is provided, all parameters must be DTensors on the "
-            "full SPMD mesh (e.g. via distribute_module). Got a plain tensor.")
+        raise ValueError(f"{where}: When dp_mesh_dims is provided, all parameters must be "
+                         "DTensors on the full SPMD mesh (e.g. via distribute_module).")
     if param.device_mesh != spmd.mesh:
-        raise ValueError(
-            f"{where} is a DTensor on {param.device_mesh}; with dp_mesh_dims it must be on "
-            f"the same mesh passed to fully_shard, {spmd.mesh}.")
+        raise ValueError(f"{where} is a DTensor on {param.device_mesh}; with dp_mesh_dims it "
+                         f"must be on the same mesh passed to fully_shard, {spmd.mesh}.")
     names = spmd.mesh.mesh_dim_names or ()
     for i in spmd.data_parallel:
         if not param.placements[i].is_replicate():
-            raise ValueError(
-                f"{where}: Expected Replicate() on data-parallel mesh dim {names[i]!r} "
-                f"(index {i}) but got {param.placements[i]}.")
+            raise ValueError(f"{where}: Expected Replicate() on data-parallel mesh dim "
+                             f"{names[i]!r} (index {i}) but got {param.placements[i]}.")
 
 
 def check_mesh(where: str, mesh: object, dp_mesh_dims: object, reshard: object) -> None:
@@ -130,11 +126,10 @@ def check_mesh(where: str, mesh: object, dp_mesh_dims: object, reshard: object) 
             "include every rank that calls fully_shard with it, or call it only on those ranks.")
     if dp_mesh_dims is not None:
         check_dp_mesh_dims(where, mesh, dp_mesh_dims, reshard)
-    device_type = mesh.device_type
-    is_available = getattr(getattr(torch, device_type, None), "is_available", None)
-    if device_type != "cpu" and not (callable(is_available) and is_available()):
+    is_available = getattr(getattr(torch, mesh.device_type, None), "is_available", None)
+    if mesh.device_type != "cpu" and not (callable(is_available) and is_available()):
         raise ValueError(
-            f"{where}: the mesh is on device type {device_type!r}, which this torch build or "
+            f"{where}: the mesh is on device type {mesh.device_type!r}, which this torch build or "
             "machine does not have. Build the mesh on \"cpu\" (gloo), or run where it is.")
     if mesh.ndim not in (1, 2) and dp_mesh_dims is None:
         raise ValueError(
@@ -159,8 +154,7 @@ def unit_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.
 
 
 def collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> Collected:
-    """(fqn, parameter, holders) of the parameters under `modules`, not ignored, no inner unit
-    claimed (one may be tied to another unit's: see schedule/tied.py)."""
+    """(fqn, parameter, holders) of the parameters under `modules` no inner unit claimed."""
     found: dict[int, tuple[str, nn.Parameter, Holders]] = {}
     for prefix, module in [pair for m in modules for pair in unit_modules(m)]:
         for attr, param in module._parameters.items():
@@ -196,17 +190,14 @@ def check_params(name: str, collected: Collected, device: torch.device,
             check_spmd_param(where, param, mesh.spmd)
         elif isinstance(param, DTensor):
             if getattr(param, SHARDED_MARK, False):
-                raise ValueError(
-                    f"{where} is already sharded by fully_shard on an enclosing module. Annotate "
-                    "bottom-up: inner modules first, then the modules that contain them.")
+                raise ValueError(f"{where} is already sharded by fully_shard on an enclosing "
+                                 "module. Annotate bottom-up: inner modules, then parents.")
             check_tensor_parallel(where, param, mesh.mesh)
             if mesh.post_forward_mesh is not None:
                 refuse_post_forward_tensor_parallel(f"fully_shard({name})", fqn)
         if param.ndim == 0:
-            raise ValueError(
-                f"{where} is a scalar and cannot be sharded on dim 0. Give it shape (1,), or "
-                "pass it in ignored_params to keep it whole.")
+            raise ValueError(f"{where} is a scalar and cannot be sharded on dim 0. Give it "
+                             "shape (1,), or pass it in ignored_params to keep it whole.")
         if param.device.type not in (device.type, "cpu", "meta"):
-            raise ValueError(
-                f"{where} is on {param.device} but the mesh is on {device.type}. Build the mesh "
-                "on the parameters' device type, or move the module there first.")
+            raise ValueError(f"{where} is on {param.device} but the mesh is on {device.type}. "
+                             "Build the mesh on that device type, or move the module first.")

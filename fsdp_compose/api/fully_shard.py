@@ -67,11 +67,8 @@ def fully_shard(
 
     In place: the module keeps its class (now also an FSDPModule), submodules and parameter
     names; its parameters become DTensors sharded on dim 0 (build the optimizer afterwards).
-    Call it bottom-up (each call claims what no inner call claimed; a list forms one unit):
-
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
+    Call it bottom-up, each call claiming what no inner call claimed (a list forms one unit):
+    `for block in model.layers: fully_shard(block)`, then `fully_shard(model)`.
 
     `reshard_after_forward`: free the unsharded parameters after forward (None: True, but the
     root keeps them); an int k dividing the shard size keeps them sharded over k ranks.

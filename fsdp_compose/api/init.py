@@ -27,17 +27,15 @@ def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
         materialize(model, init_fn=init_weights)  # after fully_shard on the meta model
     """
     if (root := state_of(module)) is None:
-        raise TypeError(
-            f"materialize({type(module).__name__}): the module is not annotated; call "
-            "fully_shard on it (and its blocks) first, then materialize it.")
+        raise TypeError(f"materialize({type(module).__name__}): the module is not annotated; "
+                        "call fully_shard on it (and its blocks) first.")
     if init_fn is None:
         _check_resettable(module)
     init = init_fn or (lambda m: m.reset_parameters())  # type: ignore[operator]
     states = [state for m in module.modules() if (state := state_of(m)) is not None]
-    owned = {  # (id(owner), attribute) -> the sharded parameter there
-        (id(owner), attr): param for state in states for param in state.unit.params
-        for owner, attr in param.owners
-    }
+    # (id(owner), attribute) -> the sharded parameter there
+    owned = {(id(owner), attr): param for state in states for param in state.unit.params
+             for owner, attr in param.owners}
     whole: dict[ShardedParam, nn.Parameter] = {}
     owners_left: dict[ShardedParam, int] = {}
 
@@ -125,8 +123,7 @@ def sync_from_first_rank(tensors: Iterable[torch.Tensor], mesh: DeviceMesh,
 
 def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
     """Move buffers to the mesh's device, as sharding moves parameters (not meta ones)."""
-    for m in modules:
-        for module in m.modules():
-            for attr, buffer in module._buffers.items():
-                if buffer is not None and buffer.device != device and not buffer.is_meta:
-                    module._buffers[attr] = buffer.to(device)
+    for module in (sub for m in modules for sub in m.modules()):
+        for attr, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device and not buffer.is_meta:
+                module._buffers[attr] = buffer.to(device)

@@ -20,10 +20,9 @@ def shard_placements(
     name: str, params: list[tuple[str, nn.Parameter, Any]], fn: ShardPlacementFn | None,
     mesh: UnitMesh, reshard_after_forward: bool | int | None,
 ) -> list[tuple[int, UnitMesh]]:
-    """Each parameter's shard dim and mesh, as `fn(param)` returns them, checked: None (dim 0
-    on the unit's mesh), `Shard(dim)`, or a `ShardPlacementResult(placement, mesh_info)` whose
-    mesh_info has a 1-D or 2-D `mesh` or, with dp_mesh_dims, a `spmd_mesh` and its
-    `dp_mesh_dims`. As in torch, a dim other than 0 must split evenly over the shard ranks."""
+    """Each parameter's shard dim and mesh from `fn(param)`, checked: None (dim 0 on the unit's
+    mesh), `Shard(dim)`, or a `ShardPlacementResult(placement, mesh_info)`, whose mesh_info has
+    a `mesh`, or with dp_mesh_dims a `spmd_mesh` and `dp_mesh_dims`, as in torch."""
     if fn is None:
         return [(0, mesh)] * len(params)
     # Keyed as a ShardPlacementResult's mesh_info names a mesh: (mesh, spmd_mesh).
@@ -53,10 +52,8 @@ def _other_mesh(where: str, info: Any, mesh: UnitMesh, reshard: bool | int | Non
     if (spmd_mesh is None or dims is None) != (mesh.spmd is None):
         raise ValueError(
             f"{where} returned a ShardPlacementResult whose mesh_info "
-            f"{'has' if dims is not None else 'has no'} dp_mesh_dims, while the unit is sharded "
-            f"with {'a plain data-parallel mesh' if mesh.spmd is None else 'dp_mesh_dims'}: "
-            "build every mesh info the same way (with dp_mesh_dims and the full SPMD mesh when "
-            "fully_shard gets dp_mesh_dims).")
+            f"{'lacks' if mesh.spmd else 'has'} dp_mesh_dims and spmd_mesh, unlike fully_shard's "
+            "call: give them exactly when fully_shard gets dp_mesh_dims.")
     own_mesh, dims = (info.mesh, None) if mesh.spmd is None else (info.spmd_mesh, dims)
     check_mesh(where, own_mesh, dims, reshard)
     return unit_mesh(own_mesh, reshard, dims)

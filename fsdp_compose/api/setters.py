@@ -1,7 +1,6 @@
 """FSDPModule's setters, every `set_*` method: each writes one field of UnitSettings
 (unit/settings.py), on this unit, on every unit under it (`recurse`), or on its root; a
-setting that decides something once (a mesh, a group, a layout) has the Unit derive it.
-Two of torch's are accepted and do nothing here, two refuse (see each docstring)."""
+setting that decides something once (a mesh, a group, a layout) has the Unit derive it."""
 
 from __future__ import annotations
 
@@ -43,10 +42,9 @@ class Setters:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int,
                                   recurse: bool = True) -> None:
-        """Free the unsharded parameters after forward; an int k keeps them sharded over
-        groups of k ranks instead. As fully_shard's argument."""
-        states, value = self._states(recurse), reshard_after_forward
-        where = self._where("set_reshard_after_forward")
+        """As fully_shard's: free unsharded parameters after forward (int k: over k ranks)."""
+        states, where = self._states(recurse), self._where("set_reshard_after_forward")
+        value = reshard_after_forward
         for state in states:  # check every unit (every mesh of one) before changing any
             for part in state.unit.parts:
                 check_reshard_after_forward(value, where, part.mesh.shard_size)
@@ -69,8 +67,7 @@ class Setters:
         self._write("unshard_in_backward", unshard_in_backward)
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
-        """Keep the unsharded storage allocated on reshard, so data pointers stay fixed (as CUDA
-        graphs need) at the cost of that memory. Newer torch's method."""
+        """Newer torch's: keep unsharded storage on reshard (fixed pointers for CUDA graphs)."""
         self._write("keep_unsharded_storage", keep, recurse)
 
     def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:
@@ -213,8 +210,7 @@ class Setters:
 
 def annotated_states(modules: list[Any], where: str) -> list[UnitState]:
     if bad := [type(m).__name__ for m in modules if not isinstance(m, Setters)]:
-        raise ValueError(
-            f"{where}: {bad} are not annotated; pass modules that fully_shard annotated.")
+        raise ValueError(f"{where}: {bad} are not annotated; pass modules fully_shard annotated")
     return [m._state() for m in modules]
 
 

@@ -41,8 +41,8 @@ def _report_sharded(state: UnitState, module: nn.Module, sd: dict[str, Any], pre
         return
     for key, param, owner, attr in _keys(state, module, prefix):
         if owner._parameters[attr] is param.unsharded and key in sd:
-            kept_vars = sd[key] is param.unsharded
-            sd[key] = param.sharded if kept_vars else param.sharded.detach()
+            # state_dict(keep_vars=True) holds the parameter itself, else a detached one.
+            sd[key] = param.sharded if sd[key] is param.unsharded else param.sharded.detach()
 
 
 def _shard_loaded(state: UnitState, module: nn.Module, sd: dict[str, Any], prefix: str) -> None:
@@ -50,9 +50,8 @@ def _shard_loaded(state: UnitState, module: nn.Module, sd: dict[str, Any], prefi
     whole tensors to this rank's shard; other shapes go on to load_state_dict's error."""
     if state.unit.is_unsharded:
         if state.phase is not IDLE:
-            raise RuntimeError(
-                f"load_state_dict: unit {state.label or type(module).__name__} is in its "
-                f"{state.phase.name.lower()} phase; load between training steps.")
+            raise RuntimeError(f"load_state_dict: unit {state.label or type(module).__name__} "
+                               f"is in its {state.phase.name.lower()} phase; load between steps.")
         state.unit.reshard()
     for key, param, _, _ in _keys(state, module, prefix):
         if isinstance(value := sd.get(key), torch.Tensor) and not isinstance(value, DTensor):

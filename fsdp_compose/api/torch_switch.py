@@ -1,7 +1,6 @@
 """replace_torch_fsdp(): for this process, torch's public FSDP2 names are fsdp_compose's, so
 frameworks that call torch's fully_shard (torchtitan, accelerate, Lightning) run on ours.
-The one module naming torch's FSDP modules: it rebinds names there when called and never
-imports torch's implementation otherwise (docs/design.md, "Frameworks"). FSDP1 is left alone."""
+The one module naming torch's FSDP modules, only when called (docs/design.md, "Frameworks")."""
 
 from __future__ import annotations
 
@@ -53,10 +52,9 @@ class TorchFSDPSwitch(contextlib.AbstractContextManager["TorchFSDPSwitch"]):
 
 
 def replace_torch_fsdp() -> TorchFSDPSwitch:
-    """Rebind torch's public FSDP2 names (those in OURS) to fsdp_compose's, in this process,
-    in torch.distributed.fsdp and its re-exports; the handle's `restore()` undoes it. A no-op
-    while on. Raises RuntimeError once torch's fully_shard annotated a module; warns about
-    modules that bound torch's names first (`python -m fsdp_compose.run` switches first)."""
+    """Rebind torch's public FSDP2 names (OURS) in torch.distributed.fsdp and its re-exports
+    to ours until the handle's `restore()`; a no-op while on. Refuses once torch's fully_shard
+    annotated a module; warns about modules that bound torch's first (see fsdp_compose.run)."""
     # find_spec: None for a re-export this torch does not have.
     modules = [importlib.import_module(n) for n in TORCH_MODULES if importlib.util.find_spec(n)]
     torch_fsdp = modules[0]
