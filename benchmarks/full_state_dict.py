@@ -1,14 +1,8 @@
-"""Rank 0's peak memory while writing a whole checkpoint of a sharded model:
-fsdp_compose.save_full_state_dict (streamed, a tensor at a time) against
-torch.distributed.checkpoint's get_model_state_dict(full_state_dict=True, cpu_offload=True)
-followed by safetensors' save_file (the whole model on rank 0), for the GPT of
-examples/train_gpt.py and a Hugging Face Llama.
+"""Rank 0's peak memory writing a whole checkpoint of a sharded model (the GPT of
+examples/train_gpt.py, a Hugging Face Llama): save_full_state_dict, streamed, against DCP's full
+state dict and safetensors' save_file; the resident set's high-water mark (Linux) above before.
 
     torchrun --nproc_per_node=2 benchmarks/full_state_dict.py
-
-Memory is the process's resident set (Linux): its high-water mark is reset before each write
-(/proc/self/clear_refs) and read after; the figure is that peak minus the resident set before
-the write. Each way of writing runs in turn on the same sharded model, after one untimed write.
 """
 
 from __future__ import annotations
@@ -36,15 +30,12 @@ LIBC = ctypes.CDLL("libc.so.6")
 
 
 def rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
 
 def peak_extra(write: Callable[[], object]) -> dict[str, float]:
-    """Rank 0's peak resident memory during `write()` above what it held before (MiB), and
+    """The peak resident memory during `write()` above what was held before (MiB), and
     the seconds it took."""
     gc.collect()
     LIBC.malloc_trim(0)
@@ -74,7 +65,6 @@ def dcp_whole_then_save(model: torch.nn.Module, path: Path) -> None:
 
 
 def models(vocab: int, dim: int, depth: int, seq: int) -> dict[str, torch.nn.Module]:
-    """The models, each block and the whole sharded."""
     torch.manual_seed(0)
     llama = LlamaConfig(
         vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, num_hidden_layers=depth,

@@ -1,14 +1,9 @@
 """The per-unit work of fully_shard written out by hand, with nothing else: the cost of the
-design itself, which benchmarks/overhead.py sets beside the runtimes.
-
-A unit (a module whose parameters are sharded on dim 0 in one dtype) does what a unit of
-fsdp_compose does on the CPU: its padded shards lie back to back in one flat tensor, gathered
-by one all-gather into a reused buffer whose rows one `split_with_sizes_copy` copies out into
-the unsharded parameters (views of one storage, freed after forward); after the last gradient
-accumulates, one `_chunk_cat` and one averaging reduce-scatter, added to the shards' `.grad`.
-On one rank the shards are the unsharded parameters and each gradient its own reduced shard.
-It calls the process group as fsdp_compose does. Left out is all a runtime is for: DTensors,
-checks, a root, prefetch, mixed precision, other meshes, errors, state dicts.
+design itself, set beside the runtimes by overhead.py. As a unit of fsdp_compose on the CPU:
+padded shards back to back in one flat tensor, one all-gather into a reused buffer, one
+`split_with_sizes_copy` into unsharded parameters viewing one storage; after the last gradient,
+one `_chunk_cat` and one averaging reduce-scatter added to the shards' `.grad`. Left out is all
+a runtime is for: DTensors, checks, a root, prefetch, mixed precision, meshes, errors, state.
 """
 
 from __future__ import annotations
@@ -18,8 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-# The process group's all-gather and reduce-scatter, called as fsdp_compose calls them
-# (their names vary).
+# The process group's all-gather and reduce-scatter, as fsdp_compose calls them.
 from fsdp_compose.comm.compat import ALL_GATHER_METHOD, REDUCE_SCATTER_METHOD
 
 _GATHER = AllgatherOptions()
@@ -28,8 +22,8 @@ _AVERAGE.reduceOp = dist.ReduceOp.AVG
 
 
 def _shard(p: torch.Tensor, ranks: int, rank: int, piece: torch.Tensor) -> nn.Parameter:
-    """Write `rank`'s torch.chunk piece of `p` (dim 0) into `piece` (its padded shard, zero
-    past the piece) and return the piece as a parameter: a view of `piece`."""
+    """`rank`'s torch.chunk piece of `p` written into `piece` (its padded shard, zero past the
+    piece), as a parameter viewing it."""
     rows = -(-p.shape[0] // ranks)
     local = p.detach()[rank * rows:(rank + 1) * rows]
     piece.zero_()
@@ -38,8 +32,7 @@ def _shard(p: torch.Tensor, ranks: int, rank: int, piece: torch.Tensor) -> nn.Pa
 
 
 class HandShardedUnit:
-    """The parameters of `module` (and its submodules) sharded on dim 0 over the default
-    group, as one unit."""
+    """The parameters of `module` sharded on dim 0 over the default group, as one unit."""
 
     def __init__(self, module: nn.Module) -> None:
         group = dist.group.WORLD

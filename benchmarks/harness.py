@@ -1,6 +1,5 @@
-"""What the benchmark scripts share: their --out, the process group they run in, sharding
-with either runtime, interleaved timing, and the JSON they write, with where, when and how the
-run ran (benchmarks/report.py writes docs/performance.md from it)."""
+"""What the benchmark scripts share: --out, the process group, sharding with either runtime,
+interleaved timing, and the JSON they write with where, when and how the run ran."""
 
 from __future__ import annotations
 
@@ -27,22 +26,18 @@ from fsdp_compose import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # train_gpt
 
-Runs = dict[str, Callable[[], object]]
 
-
-def parser(doc: str | None) -> argparse.ArgumentParser:
+def parser(doc: str) -> argparse.ArgumentParser:
     """A script's parser: its docstring's first line, and --out."""
-    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"),
-                        help="where the JSON goes")
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     return parser
 
 
 @contextmanager
 def process_group(backend: str, world: int | None = None, rank: int = 0) -> Iterator[None]:
-    """The default group: `world` ranks of the fake group simulated here as `rank` (its
-    collectives fill their outputs without other processes), one gloo rank alone (world 1),
-    or torchrun's ranks (world None)."""
+    """`world` ranks of the fake group, this one `rank` (its collectives fill their outputs
+    without other processes); one rank of `backend` alone; or torchrun's ranks (world None)."""
     if backend == "fake":
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     elif world is None:
@@ -56,12 +51,11 @@ def process_group(backend: str, world: int | None = None, rank: int = 0) -> Iter
         dist.destroy_process_group()
 
 
-def interleaved(runs: Runs, rounds: int, sync: Callable[[], object] = lambda: None,
+def interleaved(runs: dict[str, Callable], rounds: int, sync: Callable = lambda: None,
                 warmup: int = 0) -> dict[str, list[float]]:
-    """Seconds of each run in each round after `warmup` untimed ones. The runs take turns, in
-    alternating order, so that drift hits all alike; `sync` waits for what a run left in
-    flight (a GPU's kernels)."""
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    """Seconds of each run per round after `warmup` untimed rounds. The runs take turns in
+    alternating order, so that drift hits all alike; `sync` waits for a GPU's kernels."""
+    seconds = {name: [] for name in runs}
     for r in range(warmup + rounds):
         for name in list(runs)[::1 if r % 2 == 0 else -1]:
             sync()
@@ -85,42 +79,30 @@ def shard(model: nn.Module, blocks: Iterable[nn.Module], runtime: str = "fsdp_co
 
 def policy(runtime: str, param_dtype: torch.dtype | None = None,
            reduce_dtype: torch.dtype | None = None) -> object:
-    """The runtime's MixedPrecisionPolicy."""
     make = MixedPrecisionPolicy if runtime == "fsdp_compose" else TorchMixedPrecisionPolicy
     return make(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 def config(args: argparse.Namespace, where: torch.device | None = None, **more: object) -> dict:
     """The run's arguments, the date (UTC), torch and Python versions and the machine."""
-    try:
-        cpus = len(os.sched_getaffinity(0))  # what this process may run on
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count()
-    gpu = torch.cuda.get_device_name(where) if where is not None and where.type == "cuda" \
-        else None
-    machine = {"platform": platform.platform(), "cpu": cpu_name(), "cpus": cpus, "gpu": gpu}
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines()
+             if cpuinfo.exists() else []) if line.startswith("model name")]
+    machine = {"platform": platform.platform(),
+               "cpu": names[0] if names else platform.processor() or platform.machine(),
+               "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else os.cpu_count(),  # those this process may run on
+               "gpu": torch.cuda.get_device_name(where) if where is not None
+               and where.type == "cuda" else None}
     return {**vars(args), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "python": platform.python_version(),
             "machine": machine, "argv": sys.argv[1:], **more}
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def write(out: Path, name: str, result: dict, started: float | None = None) -> Path:
+def write(out: Path, name: str, result: dict, started: float | None = None) -> None:
     """`result` as out/name.json, with the run's wall time since `started` in its config."""
     if started is not None:
         result["config"]["wall_seconds"] = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    path.write_text(json.dumps(result, indent=1, default=str))
-    print(f"wrote {path}")
-    return path
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {out / name}.json")

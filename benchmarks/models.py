@@ -1,6 +1,6 @@
-"""Models of the benchmarks beside the GPT of examples/train_gpt.py: a Llama-style decoder for
-benchmarks/step.py, and GPT-2's pre-norm transformer block (a unit of 12 parameters) for
-overhead.py and optimizer.py."""
+"""Models of the benchmarks beside the GPT of examples/train_gpt.py: GPT-2's pre-norm
+transformer block (a unit of 12 parameters) for overhead.py and optimizer.py, and a Llama-style
+decoder for step.py."""
 
 from __future__ import annotations
 
@@ -28,49 +28,32 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.mlp_norm(x))))
 
 
-class Attention(nn.Module):
-    """Llama's: bias-free, causal, through scaled_dot_product_attention. No rotary embeddings:
-    the counting data needs no positions, and a step's cost is in the matrix multiplies."""
+class LlamaBlock(nn.Module):
+    """Bias-free attention and a SwiGLU MLP, RMSNorm before each. No rotary embeddings: the
+    counting data needs no positions, and a step's cost is in the matrix multiplies."""
 
     def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = (w(x).view(batch, seq, self.heads, dim // self.heads).transpose(1, 2)
-                   for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int) -> None:
         super().__init__()
         hidden = -(-8 * dim // (3 * 64)) * 64  # Llama's: 8/3 of dim, up to a multiple of 64
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.heads, self.attn_norm = heads, nn.RMSNorm(dim)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.mlp_norm = nn.RMSNorm(dim)
+        self.w1, self.w2, self.w3 = (nn.Linear(a, b, bias=False) for a, b in
+                                     ((dim, hidden), (hidden, dim), (dim, hidden)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class LlamaBlock(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.attn_norm, self.attn = nn.RMSNorm(dim), Attention(dim, heads)
-        self.mlp_norm, self.mlp = nn.RMSNorm(dim), SwiGLU(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        (batch, seq, dim), h = x.shape, self.attn_norm(x)
+        q, k, v = (w(h).view(batch, seq, self.heads, dim // self.heads).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
+        h = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
 class Llama(nn.Module):
-    """Built and trained as the GPT is, blocks in `blocks` (one unit each); `seq` is unused:
-    there is no position embedding."""
+    """Built and trained as the GPT is, one unit per block; `seq` is unused (no position
+    embedding)."""
 
     def __init__(self, vocab: int, dim: int, heads: int, depth: int, seq: int) -> None:
         super().__init__()
@@ -78,8 +61,7 @@ class Llama(nn.Module):
             raise ValueError(f"Llama(dim={dim}, heads={heads}): dim must be a multiple of heads")
         self.tok_emb = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(LlamaBlock(dim, heads) for _ in range(depth))
-        self.norm = nn.RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
+        self.norm, self.output = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(tokens)

@@ -1,13 +1,8 @@
-"""AdamW over fsdp_compose's sharded parameters, over torch's fully_shard's (FSDP2), and over
-plain tensors of the same local shapes: the optimizer's cost of the DTensor contract.
+"""AdamW's step alone over fsdp_compose's sharded parameters, over FSDP2's, and over plain
+tensors holding the same local shards and gradients (the cost of DTensor's dispatch), per
+mixed-precision policy and AdamW variant (for-loop, foreach, fused), interleaved.
 
     python benchmarks/optimizer.py          # fake group of 8, one process; CPU or one GPU
-
-8 of GPT-2's blocks (12 parameters each; dim 64 and 256: --dims) are sharded per block both
-ways under each mixed-precision policy, one forward and backward gives every parameter its
-gradient, and then only `optimizer.step()` is timed: for-loop, foreach and fused AdamW,
-interleaved in rounds. The plain contender holds copies of fsdp_compose's local shards and
-gradients as ordinary tensors: what the same arithmetic costs without DTensor's dispatch.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ import torch.distributed as dist
 from models import Block
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 POLICIES = {  # name: (param_dtype, reduce_dtype)
     "none": (None, None),
@@ -45,12 +39,9 @@ def sharded(name: str, policy: str, dim: int, device: torch.device) -> nn.Module
 
 def plain_copies(model: nn.Module) -> list[nn.Parameter]:
     """Ordinary tensors holding the model's local shards and their gradients."""
-    params = []
-    for p in model.parameters():
-        assert isinstance(p, DTensor) and isinstance(p.grad, DTensor)
-        copy = nn.Parameter(p.to_local().detach().clone())
+    params = [nn.Parameter(p.to_local().detach().clone()) for p in model.parameters()]
+    for copy, p in zip(params, model.parameters()):
         copy.grad = p.grad.to_local().detach().clone()
-        params.append(copy)
     return params
 
 

@@ -1,56 +1,223 @@
 """Training step time, host time, peak memory, communication and copies: fsdp_compose,
-torch's fully_shard (FSDP2), DDP and a single-process floor, side by side in one run.
+torch's fully_shard (FSDP2), DDP and a single-process floor (the plain model on each rank's
+batch), interleaved in rounds on the same weights and batches; the counts against the analytic
+floors; on CUDA, MFU and the communication compute hides; the deterministic loss comparison.
 
     torchrun --nproc_per_node=2 benchmarks/step.py   # CPU, gloo (CONTRIBUTING.md: on GPUs)
-
-Every contender trains the same model (--model: the GPT of examples/train_gpt.py or the Llama
-of benchmarks/models.py; one unit per block plus the root) from the same weights on the same
-batches with AdamW (fused on CUDA). --compile compiles each block in place before sharding or
-wrapping, as torchtitan does. --mixed-precision gives both FSDPs bfloat16 parameters and
-float32 reductions, and runs DDP and the floor under bfloat16 autocast. The floor is the plain
-model on each rank's batch without communication, all ranks at once (the same contention).
-
-Rounds interleave the contenders: the step time is the median over rounds, the host time (until
-Python has issued a step, before any synchronize) the median over steps. Then one step each is
-counted at dispatch and one more tracks peak memory (measures.py), and on CUDA the profiler
-tells how much communication compute hides. Rank 0 prints the tables of docs/performance.md
-and writes step.json (benchmarks/report.py reads it) and a chart to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
+from pathlib import Path
 
 import harness
 import report
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from measures import CollectiveCounter, CopyCounter, analytic, ddp_bytes, hidden_communication, mfu
 from models import Llama
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from train_gpt import GPT, counting_batch, init_distributed
 
 # cuBLAS picks its algorithms deterministically with this, read at its first use: the loss
-# parity runs (loss_parity) can then be compared bit for bit.
+# parity runs can then be compared bit for bit.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-CONTENDERS = ("fsdp_compose", "FSDP2", "DDP", "floor")
-SHARDED = ("fsdp_compose", "FSDP2")
-# The loss parity runs: FSDP2 twice, for the run-to-run noise ours is read against.
-PARITY_RUNS = ("fsdp_compose", "FSDP2", "FSDP2 again")
+CONTENDERS, SHARDED = report.CONTENDERS, report.SHARDED
 MODELS = {"gpt": GPT, "llama": Llama}
 LR = 3e-3
+COLLECTIVES = {"c10d::_allgather_base_": "all_gather", "c10d::allreduce_": "all_reduce",
+               "c10d::_reduce_scatter_base_": "reduce_scatter",
+               "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter"}
+# Copying ops by the kind they count as. torch's fully_shard wraps its copies in custom ops
+# (fsdp::), whose insides a dispatch mode sees for some and not others: each counts once, as
+# the aten op it runs (all_gather_copy_in: a _foreach_copy_), and nothing inside it counts.
+COPIES = {
+    "aten::copy_": "copy_", "aten::_to_copy": "_to_copy", "aten::cat": "cat",
+    "aten::_chunk_cat": "_chunk_cat", "aten::split_with_sizes_copy": "split_with_sizes_copy",
+    "aten::_foreach_copy_": "_foreach_copy_", "aten::clone": "clone",
+    "fsdp::all_gather_copy_in": "_foreach_copy_",
+    "fsdp::split_with_sizes_copy": "split_with_sizes_copy", "fsdp::chunk_cat": "_chunk_cat",
+}
+
+
+class Counter(TorchDispatchMode):
+    """Calls and bytes (a DTensor's on this rank) by kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def count(self, kind: str, payload: object) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + sum(
+            t._local_tensor.nbytes if isinstance(t, DTensor) else t.nbytes
+            for t in tree_leaves(payload) if isinstance(t, torch.Tensor))
+
+
+class CollectiveCounter(Counter):
+    """Collectives issued from Python, with their payload (an all-gather's output, a
+    reduce-scatter's input, an all-reduce's tensor)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = COLLECTIVES.get(func._schema.name)
+        if kind is not None:
+            self.count(kind, args[1] if kind == "reduce_scatter" else args[0])
+        return func(*args, **(kwargs or {}))
+
+
+class CopyCounter(Counter):
+    """Copies outside the collectives by kind, with the bytes they write on this rank; also
+    adds into a `.grad` (accumulation) and DDP's copies into its buckets (mul.out, divided by
+    the world size). A collective's own staging is not counted: below the dispatcher it is out
+    of sight, and gloo's copy into a reduce-scatter's output, on the caller's thread, is
+    recognised."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.params = list(model.parameters())
+        self.inside_custom_op, self.reduce_outputs = False, set()  # of reduce-scatters in flight
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs, name = kwargs or {}, func._schema.name
+        kind = None if self.inside_custom_op else self.kind(name, args, kwargs)
+        outer = kind is not None and func.namespace == "fsdp"
+        self.inside_custom_op |= outer  # the ops it runs count as this one
+        try:
+            result = func(*args, **kwargs)
+        finally:
+            self.inside_custom_op &= not outer
+        if kind is not None:  # what it writes; all_gather_copy_in's sources have its sizes
+            self.count(kind, kwargs["out"] if "out" in kwargs else args[0] if name.endswith("_")
+                       or name == "fsdp::all_gather_copy_in" else result)
+        return result
+
+    def result(self) -> dict:
+        return {"calls": self.calls, "bytes": self.bytes, "total_bytes": sum(self.bytes.values())}
+
+    def kind(self, name: str, args: tuple, kwargs: dict) -> str | None:
+        if COLLECTIVES.get(name) == "reduce_scatter":
+            outputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            self.reduce_outputs.update(t.data_ptr() for t in outputs)
+            return None
+        if name == "aten::copy_" and args[0].data_ptr() in self.reduce_outputs:
+            self.reduce_outputs.discard(args[0].data_ptr())
+            return None
+        if name == "aten::add_" and any(args[0] is g or args[0] is getattr(g, "_local_tensor", g)
+                                        for g in (p.grad for p in self.params) if g is not None):
+            return "grad add_"
+        return "mul.out" if name == "aten::mul" and "out" in kwargs else COPIES.get(name)
+
+
+def ddp_bytes(model: nn.Module) -> dict[str, int]:
+    """DDP all-reduces every gradient once per step, from C++ (not seen at dispatch)."""
+    return {"all_reduce": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def analytic(args: argparse.Namespace, plain: nn.Module, floor_peak: dict[str, int]) -> dict:
+    """The floors: bytes each collective must carry, bytes copied outside them, and the memory
+    bound, whose activations and temporaries are the floor's at its peak (`floor_peak`).
+    Under --mixed-precision the all-gathers carry bfloat16 and the reduce-scatters float32.
+    Every parameter is padded to W shards on dim 0, as both runtimes allocate them."""
+    world = dist.get_world_size()
+    stored = next(plain.parameters()).element_size()
+    gathered, reduced = (2, 4) if args.mixed_precision else (stored, stored)
+
+    def padded(params: list[nn.Parameter]) -> int:
+        return sum(-(-p.shape[0] // world) * world * p[0].numel() for p in params)
+
+    blocks = [padded(list(b.parameters())) for b in plain.blocks]
+    root = padded([p for n, p in plain.named_parameters() if not n.startswith("blocks.")])
+    largest = max(blocks)
+    # Blocks are gathered in forward and again in backward; the root stays unsharded.
+    all_gather, reduce_scatter = (2 * sum(blocks) + root) * gathered, (sum(blocks) + root) * reduced
+    # A zero-copy design copies only mixed precision's casts: each all-gather's input to
+    # param_dtype and the gradients once to reduce_dtype. With one reduce-scatter per unit,
+    # whose input holds a parameter's rows for different ranks apart, backward cannot write
+    # the gradients into it: each is copied in once (the reduce_dtype cast is that copy).
+    param_cast = all_gather // world if args.mixed_precision else 0
+    grad_cast = reduce_scatter if args.mixed_precision else 0
+    return {
+        "all_gather_bytes": all_gather, "reduce_scatter_bytes": reduce_scatter,
+        "all_gather_calls": 2 * len(blocks) + 1, "reduce_scatter_calls": len(blocks) + 1,
+        "ddp_all_reduce_bytes": ddp_bytes(plain)["all_reduce"],
+        # Sharded parameters, gradients and AdamW's 2 moments, the root, the largest block
+        # computing with its gradient and the next prefetched (under mixed precision also its
+        # gradient cast for the reduction), and the floor's working memory.
+        "memory_bound": 4 * ((sum(blocks) + root) // world) * stored
+        + (root + 3 * largest) * gathered + (largest * reduced if args.mixed_precision else 0)
+        + floor_peak["Activation"] + floor_peak["Temp"],
+        "copy_gather_bytes": 0, "copy_param_cast_bytes": param_cast,
+        "copy_grad_cast_bytes": grad_cast, "copy_bytes": param_cast + grad_cast,
+        "copy_one_reduce_scatter_bytes": param_cast + reduce_scatter,
+    }
+
+
+def mfu(args: argparse.Namespace, params: int, median: dict[str, float]) -> dict[str, float]:
+    """Per contender, a step's FLOPs over its median time as a fraction of --peak-tflops: 6
+    per parameter and token plus attention's 12 per layer, dim, position and token."""
+    tokens = args.batch * args.seq
+    flops = 6 * params * tokens + 12 * args.depth * args.dim * args.seq * tokens
+    return {n: flops / t / (args.peak_tflops * 1e12) for n, t in median.items()}
+
+
+def hidden_communication(step: Callable[[], object]) -> float:
+    """The hidden fraction (below) of three profiled calls of `step`."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        prof.export_chrome_trace(str(Path(folder) / "trace.json"))
+        events = json.loads((Path(folder) / "trace.json").read_text())["traceEvents"]
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            spans.setdefault(e["args"]["stream"], []).append((e["ts"], e["ts"] + e["dur"]))
+    return hidden_fraction(spans)
+
+
+def hidden_fraction(spans: dict[int, list[tuple[float, float]]]) -> float:
+    """Of the time other streams than the compute stream (the one busy longest) are busy
+    (collectives and their copies), the fraction the compute stream is busy too. `spans`:
+    (start, end) per stream."""
+    if len(spans) < 2:
+        return 1.0  # nothing ran beside the compute stream
+    compute = max(spans, key=lambda s: sum(end - start for start, end in spans[s]))
+    busy = union(spans[compute])
+    side = union([span for s, stream in spans.items() if s != compute for span in stream])
+    total = sum(end - start for start, end in side)
+    hidden = sum(max(0.0, min(end, b_end) - max(start, b_start))
+                 for start, end in side for b_start, b_end in busy)
+    return hidden / total if total else 1.0
+
+
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def make_model(args: argparse.Namespace) -> nn.Module:
@@ -61,7 +228,7 @@ def build(name: str, args: argparse.Namespace, device: torch.device) -> nn.Modul
     torch.manual_seed(0)  # the same weights for every contender
     model = make_model(args).to(device, args.dtype)
     if args.compile:
-        for block in model.blocks:  # in place: names, hooks and the blocks list stay
+        for block in model.blocks:  # in place, as torchtitan does: names and hooks stay
             block.compile(backend=args.compile_backend)
     if name == "DDP":
         return DistributedDataParallel(model, device_ids=None if device.index is None
@@ -73,22 +240,19 @@ def build(name: str, args: argparse.Namespace, device: torch.device) -> nn.Modul
     return model
 
 
-class Contender(NamedTuple):
-    model: nn.Module
-    optim: torch.optim.Optimizer
-    autocast: torch.dtype | None  # DDP's and the floor's under --mixed-precision
+class Contender:
+    """A model, its AdamW (fused on CUDA) and, for DDP and the floor under --mixed-precision,
+    bfloat16 autocast."""
+
+    def __init__(self, name: str, args: argparse.Namespace, device: torch.device, lr: float = LR):
+        self.model = build(name, args, device)
+        # fused=None, not False, off CUDA: False would also turn off the foreach default.
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=lr,
+                                       fused=device.type == "cuda" or None)
+        self.autocast = torch.bfloat16 if args.mixed_precision and name not in SHARDED else None
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         return train_step(self.model, self.optim, tokens, self.autocast)
-
-
-def contender(name: str, args: argparse.Namespace, device: torch.device, lr: float = LR,
-              ) -> Contender:
-    model = build(name, args, device)
-    # fused=None, not False, off CUDA: False would also turn off the foreach default.
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda" or None)
-    autocast = torch.bfloat16 if args.mixed_precision and name not in SHARDED else None
-    return Contender(model, optim, autocast)
 
 
 def batch(args: argparse.Namespace, step: int, device: torch.device) -> torch.Tensor:
@@ -107,16 +271,10 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Ten
     return loss.detach()
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_memory(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor,
                    autocast: torch.dtype | None = None) -> dict[str, int]:
-    """MemTracker's peak by category; on CUDA also the allocator's peak during the step
-    above what was allocated at its start ("allocator step peak": every contender's model
-    lives on the device, so the absolute peak would mix them)."""
+    """MemTracker's peak by category; on CUDA also the allocator's peak above what the step
+    started with (every contender's model lives on the device)."""
     cuda = tokens.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(tokens.device)
@@ -126,40 +284,33 @@ def measure_memory(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch
     tracker.track_external(model, optim)
     with tracker:
         train_step(model, optim, tokens, autocast)
-    by_category = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     if cuda:
-        by_category["allocator step peak"] = \
-            torch.cuda.max_memory_allocated(tokens.device) - resident
-    return {getattr(k, "value", k): int(v) for k, v in by_category.items()}
-
-
-class Timings(NamedTuple):
-    step: dict[str, list[float]]  # seconds per step, averaged over each round's steps
-    host: dict[str, list[float]]  # seconds to issue each step, per step
-    losses: dict[str, list[float]]
-    steps: int  # batches used, so that later steps take new ones
+        peak["allocator step peak"] = torch.cuda.max_memory_allocated(tokens.device) - resident
+    return {getattr(k, "value", k): int(v) for k, v in peak.items()}
 
 
 def timed_rounds(args: argparse.Namespace, contenders: dict[str, Contender],
-                 device: torch.device) -> Timings:
-    timings = Timings(*({name: [] for name in CONTENDERS} for _ in range(3)), steps=0)
+                 device: torch.device) -> tuple[dict, dict, dict]:
+    """Seconds per step in each round, seconds to issue each step, and each step's loss."""
+    step, host, losses = ({name: [] for name in CONTENDERS} for _ in range(3))
     for round_ in range(args.warmup + args.rounds):
         timed = round_ >= args.warmup
-        for name, c in contenders.items():  # interleaved: drift hits every contender alike
+        for name, c in contenders.items():
             start = time.perf_counter()
             for k in range(args.steps):
-                tokens = batch(args, timings.steps + k, device)
+                tokens = batch(args, round_ * args.steps + k, device)
                 issued = time.perf_counter()
                 loss = c.step(tokens)
                 if timed:  # on CUDA the kernels may still run: this is the host's share
-                    timings.host[name].append(time.perf_counter() - issued)
+                    host[name].append(time.perf_counter() - issued)
                 if name != "floor":
-                    timings.losses[name].append(mean_loss(loss))
-            synchronize(device)
+                    losses[name].append(mean_loss(loss))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             if timed:
-                timings.step[name].append((time.perf_counter() - start) / args.steps)
-        timings = timings._replace(steps=timings.steps + args.steps)
-    return timings
+                step[name].append((time.perf_counter() - start) / args.steps)
+    return step, host, losses
 
 
 def mean_loss(loss: torch.Tensor) -> float:
@@ -168,12 +319,11 @@ def mean_loss(loss: torch.Tensor) -> float:
 
 
 def loss_parity(args: argparse.Namespace, device: torch.device) -> dict:
-    """The losses of --parity-steps steps at --parity-lr (where the model trains: its loss
-    falls) of fsdp_compose, FSDP2 and FSDP2 again, one after another from the same weights
-    on the same batches, with deterministic algorithms where torch has them and one
-    attention kernel (flash on CUDA, whose backward is deterministic there; else the math
-    one). FSDP2 against itself is the run-to-run noise floor ours is read against. Eager
-    even under --compile: three more compilations would cost minutes."""
+    """The losses of --parity-steps steps at --parity-lr (where the model trains) of
+    fsdp_compose, FSDP2 and FSDP2 again (the run-to-run noise ours is read against), from the
+    same weights on the same batches, deterministic where torch can be, with one attention
+    kernel (flash on CUDA, whose backward is deterministic there). Eager even under --compile:
+    three more compilations would cost minutes."""
     args = argparse.Namespace(**{**vars(args), "compile": False})
     kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if device.type == "cuda" \
         else [SDPBackend.MATH]
@@ -181,8 +331,8 @@ def loss_parity(args: argparse.Namespace, device: torch.device) -> dict:
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)  # warn where torch has none
     try:
-        for run_name in PARITY_RUNS:
-            c = contender(run_name.removesuffix(" again"), args, device, lr=args.parity_lr)
+        for run_name in ("fsdp_compose", "FSDP2", "FSDP2 again"):
+            c = Contender(run_name.removesuffix(" again"), args, device, lr=args.parity_lr)
             with sdpa_kernel(kernels):
                 losses[run_name] = [mean_loss(c.step(batch(args, step, device)))
                                     for step in range(args.parity_steps)]
@@ -191,13 +341,11 @@ def loss_parity(args: argparse.Namespace, device: torch.device) -> dict:
     finally:
         torch.use_deterministic_algorithms(deterministic)
     reference = losses["FSDP2"]
-    return {
-        "steps": args.parity_steps, "lr": args.parity_lr, "losses": losses,
-        "max_difference_vs_fsdp2": {
-            n: max((abs(a - b) for a, b in zip(losses[n], reference)), default=0.0)
-            for n in ("fsdp_compose", "FSDP2 again")},
-        "loss_falls": bool(reference) and reference[-1] < reference[0],
-    }
+    return {"steps": args.parity_steps, "lr": args.parity_lr, "losses": losses,
+            "max_difference_vs_fsdp2": {
+                n: max((abs(a - b) for a, b in zip(losses[n], reference)), default=0.0)
+                for n in ("fsdp_compose", "FSDP2 again")},
+            "loss_falls": bool(reference) and reference[-1] < reference[0]}
 
 
 def release_memory(device: torch.device) -> None:
@@ -206,20 +354,10 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def counted_step(name: str, c: Contender, tokens: torch.Tensor) -> tuple[dict, dict]:
-    """One step's collectives (DDP's from its parameters: it all-reduces from C++) and
-    copies outside them."""
-    with CollectiveCounter() as sent, CopyCounter(c.model) as copied:
-        c.step(tokens)
-    if name == "DDP":
-        return {"calls": {}, "bytes": ddp_bytes(c.model)}, copied.result()
-    return {"calls": sent.calls, "bytes": sent.bytes}, copied.result()
-
-
 def model_copies(args: argparse.Namespace, device: torch.device, tokens: torch.Tensor) -> dict:
-    """The copies the model makes itself, computing in the FSDPs' dtype (a bfloat16 RMSNorm
-    computes in float32, the loss copies its targets): each contender's count includes
-    them, and what it copies beyond them is the cost of its runtime or of autocast."""
+    """The copies the model makes itself in the FSDPs' compute dtype (a bfloat16 RMSNorm
+    computes in float32, the loss copies its targets): what a contender copies beyond them
+    is its runtime's (or autocast's)."""
     plain = build("floor", args, device).to(torch.bfloat16 if args.mixed_precision else args.dtype)
     with CopyCounter(plain) as copied:
         train_step(plain, torch.optim.SGD(plain.parameters()), tokens)
@@ -227,26 +365,36 @@ def model_copies(args: argparse.Namespace, device: torch.device, tokens: torch.T
 
 
 def run(args: argparse.Namespace, device: torch.device) -> dict:
-    contenders = {name: contender(name, args, device) for name in CONTENDERS}
-    timings = timed_rounds(args, contenders, device)
-    tokens = batch(args, timings.steps, device)
+    contenders = {name: Contender(name, args, device) for name in CONTENDERS}
+    step, host, losses = timed_rounds(args, contenders, device)
+    tokens = batch(args, (args.warmup + args.rounds) * args.steps, device)
     comm, copies = {}, {}
-    for name, c in contenders.items():
-        comm[name], copies[name] = counted_step(name, c, tokens)
+    for name, c in contenders.items():  # a step's collectives and copies outside them
+        with CollectiveCounter() as sent, CopyCounter(c.model) as copied:
+            c.step(tokens)
+        comm[name] = {"calls": sent.calls, "bytes": sent.bytes} if name != "DDP" else \
+            {"calls": {}, "bytes": ddp_bytes(c.model)}  # DDP all-reduces from C++, unseen
+        copies[name] = copied.result()
     copies["model"] = model_copies(args, device, tokens)
     memory = {name: measure_memory(c.model, c.optim, tokens, c.autocast)
               for name, c in contenders.items()}
-    median = {name: statistics.median(t) for name, t in timings.step.items()}
-    utilisation, hidden = gpu_measures(args, contenders, median, tokens)
+    median = {name: statistics.median(t) for name, t in step.items()}
+    hidden = utilisation = None
+    if device.type == "cuda":
+        hidden = {n: hidden_communication(partial(contenders[n].step, tokens))
+                  for n in CONTENDERS[:3]}
+        if args.peak_tflops is not None:
+            with torch.device("meta"):
+                params = sum(p.numel() for p in make_model(args).parameters())
+            utilisation = mfu(args, params, median)
     floor = analytic(args, contenders["floor"].model, memory["floor"])
     del contenders  # the parity runs build their own, one at a time
     release_memory(device)
-    losses = timings.losses
     return {
         "config": harness.config(args, device, world_size=dist.get_world_size(),
                                  device=str(device), backend=dist.get_backend()),
         "step_seconds": median,
-        "host_seconds": {name: statistics.median(t) for name, t in timings.host.items()},
+        "host_seconds": {name: statistics.median(t) for name, t in host.items()},
         "vs_fsdp2": {n: median[n] / median["FSDP2"] for n in CONTENDERS},
         "vs_floor": {n: median[n] / median["floor"] for n in CONTENDERS},
         "peak_memory": memory,
@@ -263,37 +411,11 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     }
 
 
-def gpu_measures(args: argparse.Namespace, contenders: dict[str, Contender],
-                 median: dict[str, float], tokens: torch.Tensor,
-                 ) -> tuple[dict | None, dict | None]:
-    """MFU (with --peak-tflops) and the communication hidden under compute, on CUDA."""
-    if tokens.device.type != "cuda":
-        return None, None
-    hidden = {n: hidden_communication(partial(contenders[n].step, tokens))
-              for n in CONTENDERS[:3]}
-    if args.peak_tflops is None:
-        return None, hidden
-    with torch.device("meta"):
-        params = sum(p.numel() for p in make_model(args).parameters())
-    return mfu(args, params, median), hidden
-
-
-def show(result: dict) -> None:
-    """The tables docs/performance.md shows, and the loss comparisons."""
-    print(report.step_table(result), report.bytes_table(result), report.copies_table(result),
-          sep="\n\n")
-    parity = result["loss_parity"]
-    first, last = parity["losses"]["FSDP2"][0], parity["losses"]["FSDP2"][-1]
-    print(f"max |loss - FSDP2's| over the timed steps: {result['max_loss_difference_vs_fsdp2']}; "
-          f"in {parity['steps']} deterministic steps at lr {parity['lr']} (FSDP2's loss "
-          f"{first:.4f} -> {last:.4f}): " + ", ".join(
-              f"{n} {v:.3g}" for n, v in parity["max_difference_vs_fsdp2"].items()))
-
-
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, its sizes, its batch and its training (what build, batch and train_step
     read)."""
-    parser.add_argument("--model", choices=sorted(MODELS), default="gpt")
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt",
+                        help="the GPT of examples/train_gpt.py or the Llama of models.py")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     for name, default in (("seq", 64), ("vocab", 256), ("dim", 128), ("heads", 4), ("depth", 8)):
         parser.add_argument(f"--{name}", type=int, default=default)
@@ -314,7 +436,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1, help="rounds not timed")
     parser.add_argument("--parity-steps", type=int, default=8,
-                        help="steps of the deterministic loss comparison (loss_parity)")
+                        help="steps of the deterministic loss comparison")
     parser.add_argument("--parity-lr", type=float, default=3e-4,
                         help="its learning rate: one at which the model trains")
     parser.add_argument("--peak-tflops", type=float, help="GPU peak, for MFU")
@@ -326,7 +448,14 @@ def main() -> None:
     result = run(args, device)
     if dist.get_rank() == 0:
         harness.write(args.out, "step", result, started)
-        show(result)
+        parity = result["loss_parity"]
+        print(report.step_table(result), report.bytes_table(result), report.copies_table(result),
+              f"max |loss - FSDP2's| over the timed steps: "
+              f"{result['max_loss_difference_vs_fsdp2']}; in {parity['steps']} deterministic "
+              f"steps at lr {parity['lr']} (FSDP2's loss {parity['losses']['FSDP2'][0]:.4f} -> "
+              f"{parity['losses']['FSDP2'][-1]:.4f}): " + ", ".join(
+                  f"{n} {v:.3g}" for n, v in parity["max_difference_vs_fsdp2"].items()),
+              sep="\n\n")
         if report.plot_step(result, args.out / "step.png"):
             print(f"wrote {args.out / 'step.png'}")
     gc.collect()  # meshes go before the process group (see examples/train_gpt.py)

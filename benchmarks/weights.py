@@ -1,16 +1,9 @@
-"""Weights out and in, whole: fsdp_compose.iter_full_state_dict (one all-gather per unit)
-against a loop of full_tensor() (one per tensor) and torch.distributed.checkpoint's
-get_model_state_dict(full_state_dict=True, cpu_offload=True); loading whole tensors with
-load_full_state_dict(model, pairs) against set_model_state_dict(full_state_dict=True,
-broadcast_from_rank0=True). Two models: many small tensors (64 blocks of LayerNorm and
-Linear, dim 64) and few large ones (4 Linear(1024, 1024)), a unit per block.
+"""Weights out and in, whole, for many small tensors and few large ones: iter_full_state_dict
+against a loop of full_tensor() and DCP's get_model_state_dict; load_full_state_dict(model,
+pairs) against DCP's set_model_state_dict. Per way: ms, collectives, peak tensor memory.
 
     torchrun --nproc_per_node=2 benchmarks/weights.py    # gloo, 2 ranks
     python benchmarks/weights.py --fake 8                # fake process group, 8 ranks
-
-Per way: ms (median of --rounds), collectives dispatched, and the peak of tensor memory
-above what was live before (torch's MemTracker), the consumer dropping each tensor as it
-arrives (as a sender to an inference engine does).
 """
 
 from __future__ import annotations
@@ -25,11 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint import state_dict as dcp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import iter_full_state_dict, load_full_state_dict
@@ -42,6 +31,8 @@ MODELS: dict[str, Callable[[], nn.Sequential]] = {
 
 
 class Collectives(TorchDispatchMode):
+    """Collective ops dispatched, functional ones included (full_tensor's)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
@@ -74,8 +65,8 @@ def measure(model: nn.Module, run: Callable[[], object], rounds: int) -> dict[st
 
 
 def ways(model: nn.Module, whole: dict[str, torch.Tensor]) -> dict[str, Callable[[], object]]:
-    out = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    into = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    out = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    into = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
     def drain(items: Iterable[object]) -> None:
         for _ in items:
@@ -85,11 +76,11 @@ def ways(model: nn.Module, whole: dict[str, torch.Tensor]) -> dict[str, Callable
         "out: iter_full_state_dict": lambda: drain(iter_full_state_dict(model)),
         "out: full_tensor() loop": lambda: drain(v.full_tensor()
                                                  for v in model.state_dict().values()),
-        "out: DCP get_model_state_dict": lambda: get_model_state_dict(model, options=out),
+        "out: DCP get_model_state_dict": lambda: dcp.get_model_state_dict(model, options=out),
         # Loading, the whole tensors are made as a reader would: streamed, or (DCP) all at once.
         "in: load_full_state_dict(pairs)": lambda: load_full_state_dict(
             model, ((k, v.clone()) for k, v in whole.items())),
-        "in: DCP set_model_state_dict": lambda: set_model_state_dict(
+        "in: DCP set_model_state_dict": lambda: dcp.set_model_state_dict(
             model, {k: v.clone() for k, v in whole.items()} if dist.get_rank() == 0 else {},
             options=into),
     }

@@ -116,7 +116,7 @@ def test_overhead_benchmark_times_transformer_blocks_with_an_optimizer(tmp_path)
 
 def test_hidden_fraction_counts_side_stream_time_under_compute():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from measures import hidden_fraction
+    from step import hidden_fraction
 
     compute = [(0.0, 10.0), (20.0, 30.0)]  # busy longest: the compute stream
     side = {1: [(9.0, 11.0), (12.0, 16.0)], 2: [(14.0, 18.0), (20.0, 24.0)]}

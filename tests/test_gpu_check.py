@@ -34,7 +34,8 @@ def test_gpu_check_runs_its_sequence_on_the_cpu(tmp_path):
         assert set(bench["contenders"]) == {"fsdp_compose", "FSDP2", "DDP", "floor"}
         assert bench["contenders"]["fsdp_compose"]["step_ms"] > 0
     optimizer = summary["optimizer"]["rows"]
-    assert len(optimizer) == 9 and all(row["plain"] > 0 and row["ours_vs_plain"] > 0 for row in optimizer.values())
+    assert len(optimizer) == 9
+    assert all(row["plain"] > 0 and row["ours_vs_plain"] > 0 for row in optimizer.values())
     page = (tmp_path / "summary.md").read_text()
     assert page.startswith("# GPU check (cpu): PASS") and "FSDP2 again 0" in page
     assert "| 64, bf16, fused |" in page
