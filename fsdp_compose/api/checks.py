@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.meshes import SpmdDims, UnitMesh, dim_names
 from ..param.policies import MixedPrecisionPolicy, OffloadPolicy
-from ..schedule.state import state_of
+from ..schedule.iteration import state_of
 
 # Marks the sharded parameters fully_shard creates, so a later call on an inner module can
 # tell "sharded by an enclosing fully_shard" from a tensor-parallel DTensor.

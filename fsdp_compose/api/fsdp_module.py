@@ -7,8 +7,7 @@ from typing import Any, Literal, NoReturn, cast, overload
 
 from torch import nn
 
-from ..schedule.iteration import UnitState
-from ..schedule.state import state_of
+from ..schedule.iteration import UnitState, state_of
 from ..unit.unit import Unit
 from .setters import Setters
 

@@ -14,8 +14,7 @@ from ..param.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPoli
 from ..param.replaced import mark_replaced
 from ..param.sharded_param import ShardedParam
 from ..schedule.hooks import install_hooks, post_forward, pre_forward
-from ..schedule.iteration import UnitState
-from ..schedule.state import attach, state_of
+from ..schedule.iteration import UnitState, attach, state_of
 from ..schedule.tied import OWNER_ATTR, Borrowed, check_borrowable, lend, owner_of
 from ..schedule.unmanaged import watch
 from ..unit.part import MeshPart

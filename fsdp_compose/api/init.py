@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import broadcast
 from ..param.sharded_param import ShardedParam
-from ..schedule.state import state_of
+from ..schedule.iteration import state_of
 
 
 def materialize(module: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:

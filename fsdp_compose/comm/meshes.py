@@ -29,7 +29,8 @@ class DataParallelMeshDims:
 
     def __post_init__(self) -> None:
         if self.shard is None and self.replicate is None:
-            raise ValueError("DataParallelMeshDims: set at least one of shard or replicate")
+            raise ValueError(
+                "At least one of shard or replicate must be set in DataParallelMeshDims")
 
     @property
     def shard_names(self) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..comm.collectives import all_gather, every_rank
 from ..param.sharded_param import ShardedParam
-from ..schedule.state import state_of
+from ..schedule.iteration import state_of
 from ..unit.part import MeshPart
 
 _GATHER_BYTES = 4 * 2**20  # the least a gather may hold: a unit of small tensors goes at once

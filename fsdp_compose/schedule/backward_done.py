@@ -1,21 +1,9 @@
 """When a unit's backward is done: one object with every rule, so that it can reduce and
-reshard as early as is safe, and never before. Four signals, tried in this order:
-
-1. Its last gradient (the common case): a hook on each unsharded parameter's gradient
-   accumulation counts down the parameters. Safe: a node that reads a parameter that requires
-   grad computes its gradient before it is accumulated, so after the last one nothing reads the
-   unit's parameters (a detached alias excepted, which then fails loudly: "storage of size 0").
-2. Its forward inputs' gradients, where (1) is unsafe or never fires: frozen parameters (their
-   readers compute no gradient: in LoRA the adapters' gradients are complete while the frozen
-   weight is still needed for the inputs'), `reduce_scatter_unused_params` (ranks would reduce
-   at different points), or a parameter an earlier backward left without gradient (sticky). A
-   hook on the inputs' backward node, made at every forward, counts down the forwards: the engine
-   runs a node once all that feeds it is done, and the inputs' gradients come last.
-3. Its recomputation: under reentrant checkpointing its forward ran without grad, and its
-   backward begins (hooked there with (2)) when the checkpoint recomputes it.
-4. The end of backward: a callback queued on the autograd engine finishes, in module order (the
-   same on every rank), every unit no hook finished (inputs without grad, parameters without
-   gradient)."""
+reshard as early as is safe, and never before. Four signals, tried in this order (each's
+reasons: docs/design.md, "When a unit's backward is done"): 1. its last gradient, a hook on each
+unsharded parameter's accumulation; 2. its forward inputs' gradients, where (1) is unsafe or
+never fires (frozen parameters, `reduce_scatter_unused_params`, a parameter once without
+gradient); 3. its recomputation, under reentrant checkpointing; 4. the end of backward."""
 
 from __future__ import annotations
 

@@ -16,9 +16,8 @@ from ..param.policies import cast_floating
 from ..unit.settings import UnitSettings
 from .agreement import check_ranks_agree
 from .backward_done import Inputs
-from .iteration import Root, UnitState
+from .iteration import Root, UnitState, state_of
 from .phase import FORWARD, IDLE, current_graph_task_id, in_backward
-from .state import state_of
 from .unmanaged import stop_watching
 
 # Under torch.compile the hooks run eagerly, outside the graph: they communicate and resize

@@ -1,10 +1,7 @@
-"""Parameters tied across units (an embedding and an LM head in different units). The first
-unit to annotate a parameter owns it: it gathers it and reduces its gradient, once (autograd
-accumulates every use's gradient in the one unsharded parameter before the owner's last-gradient
-hook runs). A later unit holding it borrows it: its modules become owners of the sharded
-parameter too (the owner's gather registers the unsharded form there as well), and it gathers the
-owner before each of its forwards and backwards. A lending unit keeps its parameters from forward
-to backward: a borrower may run between the two, or inside the owner's enclosing forward."""
+"""Parameters tied across units (an embedding and an LM head in different units): the first
+unit to annotate one owns it, gathers it and reduces its gradient once; a later unit holding it
+borrows it, gathering the owner before its passes (docs/design.md, "Parameters tied across
+units"). A lender keeps its parameters from forward to backward: a borrower may run in between."""
 
 from __future__ import annotations
 

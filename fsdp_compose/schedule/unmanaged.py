@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..comm.process_wide import Piece
-from .state import state_of
+from .iteration import state_of
 
 
 class UnmanagedParametersWarning(UserWarning):

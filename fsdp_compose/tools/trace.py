@@ -14,9 +14,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ..comm import process_wide
 from ..comm.collectives import every_rank
-from ..schedule.iteration import UnitState
+from ..schedule.iteration import UnitState, state_of
 from ..schedule.phase import in_backward
-from ..schedule.state import state_of
 from . import trace_report
 from .trace_report import ALL_GATHER, BACKWARD, COMPUTE, FORWARD, REDUCE_SCATTER, Span
 

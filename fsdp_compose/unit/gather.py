@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
 from torch.distributed import ProcessGroup, Work
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import process_wide
 from ..comm.collectives import ReusedBuffer, all_gather, allocate, collective_failed
-from .as_bytes import decode_rows, encode_shards
+from ..param.sharded_param import ShardedParam
 from .held import GATHERED, POST_FORWARD, UNSHARDED
 from .layout import Layout
 from .part import MeshPart
@@ -24,7 +25,7 @@ class _Gather(NamedTuple):
     gathered: torch.Tensor  # (ranks gathered from, columns)
     work: Work | torch.Event | None  # wait(): gloo blocks; an event orders the compute stream
     sizes: list[int]  # each parameter's padded shard, per row (bytes if encoded)
-    encoded: bool  # uint8 rows: see unit/as_bytes.py
+    encoded: bool  # uint8 rows: see encode_shards
     inputs: list[torch.Tensor] | None  # kept pieces sent, alive until waited for (comm/streams.py)
     layout: Layout  # the part's when it started: where the rows land
 
@@ -116,12 +117,9 @@ class Gatherer:
         if inputs is not None:
             shards = torch.cat(inputs)
             encoded = self._post_forward is not None and self._post_forward.as_bytes
-        elif layout.dtypes.mixed_dtypes or layout.extended:  # see unit/as_bytes.py
+        elif layout.dtypes.mixed_dtypes or layout.extended:  # parameters that travel as bytes
             shards, sizes = encode_shards(self.params, part.device)
             encoded = True
-        elif layout.shards is None:  # shards of several dtypes or devices
-            dtype = layout.dtypes.param_dtype
-            shards = torch.cat([p.padded_shard.to(part.device, dtype) for p in self.params])
         else:  # copied into this rank's row of the output below, as torch's fully_shard does
             spec, copied_in = layout.gather_spec, layout.shards
         if spec is None:
@@ -238,3 +236,38 @@ class Gatherer:
             for p in allocated.extended:
                 assert p.extension is not None
                 p.extension.free()
+
+
+# -- a part whose parameters cannot travel as one dtype: some gather through an all-gather
+# extension (param/extension.py), or they compute in different dtypes
+
+
+def encode_shards(params: list[ShardedParam], device: torch.device) -> tuple[Tensor, list[int]]:
+    """What a rank sends and each parameter's share: what its extension sends, or its shard
+    in its dtype, as bytes padded to 8 (to be viewed in any dtype again)."""
+    pieces = []
+    for p in params:
+        if p.extension is not None:  # the hooks choose: see param/extension.py
+            local = p.local if p.local.device == device else p.local.to(device, non_blocking=True)
+            pieces.append(p.extension.encode(local))
+            continue
+        data = p.padded_shard.to(device, p.param_dtype, non_blocking=True).view(torch.uint8)
+        pieces.append(torch.nn.functional.pad(data, (0, -data.numel() % 8)))
+    return torch.cat(pieces), [piece.numel() for piece in pieces]
+
+
+def decode_rows(
+    gathered: Tensor, sizes: list[int], params: list[ShardedParam], outs: list[Tensor],
+) -> bool:
+    """Write each parameter's unsharded data into `outs` from the gathered bytes (row r: rank
+    r's encode_shards); whether all-gather hooks built a new unsharded parameter (at first)."""
+    built = False
+    for out, p, data in zip(outs, params, torch.split(gathered, sizes, dim=1)):
+        if p.extension is not None:
+            new = p.extension.decode(data, p.local, p.param_dtype, p.sharded.requires_grad)
+            if new is not None:
+                p.unsharded, built = new, True
+            continue
+        values = data[:, : p.layout.padded_shard_numel * out.element_size()].view(out.dtype)
+        out.copy_(values.view(out.shape))
+    return built

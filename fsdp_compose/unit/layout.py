@@ -40,7 +40,7 @@ class Layout:
 
     dtypes: DtypeFacts
     # Every padded shard, where one foreach copy (casting to param_dtype, moving from the CPU)
-    # puts them in the all-gather's own row: None with several dtypes or devices, or hooks.
+    # puts them in the all-gather's own row; None when sent as bytes (encode_shards).
     shards: list[torch.Tensor] | None
     gather_spec: BufferSpec | None  # of that all-gather
     reduce_spec: BufferSpec  # of a reduce-scatter of every parameter's gradient
@@ -80,7 +80,7 @@ def lay_out(
     dtypes = dtype_facts(params)
     rows, numel, device = mesh.shard_size, sum(sizes), mesh.device
     padded = [p.padded_shard for p in params]
-    same = not extended and len({(s.dtype, s.device) for s in padded}) == 1
+    same = not extended and not dtypes.mixed_dtypes  # one dtype sent: see Layout.shards
     gather_spec = ((rows, numel), dtypes.param_dtype, device) if same else None
     one_rank = rows == 1 and not extended and not custom_gather
     zero_copy = one_rank and all(

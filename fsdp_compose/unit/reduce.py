@@ -13,6 +13,7 @@ from ..comm import process_wide
 from ..comm.collectives import (
     GradReduction,
     ReusedBuffer,
+    all_reduce,
     allocate,
     collective_failed,
     grad_reduction,
@@ -22,7 +23,6 @@ from ..param.sharded_param import ShardedParam
 from .held import REDUCE_INPUT, REDUCE_OUTPUT
 from .layout import DtypeFacts, dtype_facts
 from .part import MeshPart
-from .replicas import combine_replicas
 
 
 class _Reduction(NamedTuple):
@@ -99,8 +99,8 @@ class Reducer:
             if dtypes.is_complex:  # sent as real pairs, as torch.distributed sends them
                 output, input = torch.view_as_real(reduced), torch.view_as_real(flat)
             try:
-                group, async_op = part.reduce_group, side is None
-                work = reduce_scatter(output, input, group, shard_size, reduction, custom, async_op)
+                work = reduce_scatter(output, input, part.reduce_group, shard_size, reduction,
+                                      custom, async_op=side is None)
             except RuntimeError as error:
                 raise collective_failed(part.label, "reduce-scatter", shard_size, error) from error
             if side is not None:
@@ -194,3 +194,27 @@ class Reducer:
             if pending.work is not None:
                 pending.work.wait()  # the backend may still write into its buffers
             self._buffer.release()
+
+
+def combine_replicas(
+    part: MeshPart, params: list[ShardedParam], sizes: list[int], reduced: torch.Tensor,
+    reduction: GradReduction,
+) -> bool:
+    """HSDP: add each parameter's partial sum so far to its reduced shard and all-reduce across
+    replicas, or, without all-reduce (gradient accumulation), keep the shards as partial sums.
+    Whether they are final."""
+    mesh, ledger = part.mesh, part.grads
+    shards = list(zip(params, torch.split_with_sizes(reduced, sizes)))
+    for p, shard in shards:
+        if (partial := ledger.take_partial(p)) is not None:
+            shard.add_(partial)
+    if not part.settings.requires_all_reduce:
+        ledger.keep_partial(shards)
+        return False
+    assert mesh.replicate_group is not None
+    try:
+        all_reduce(reduced, reduction.all_reduce_op, mesh.replicate_group)
+    except RuntimeError as error:
+        raise collective_failed(part.label, "all-reduce", mesh.replicate_size, error) from error
+    ledger.spend_partial(p for p, _ in shards)
+    return True

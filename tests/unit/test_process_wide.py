@@ -58,7 +58,7 @@ print(json.dumps(seen))
 
 
 def test_process_wide_pieces_live_with_the_models_that_need_them() -> None:
-    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=False)
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     seen = json.loads(run.stdout.splitlines()[-1])
     nothing = {"installed": [], "ids": 0, "adam wrapped": False, "optimizer hooks": 0,

@@ -15,7 +15,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compose import FSDPModule, Int8RowCodec, fully_shard
-from fsdp_compose.schedule.state import state_of
+from fsdp_compose.schedule.iteration import state_of
 from tests.models import MLP
 
 Call = Callable[[Any], None]
