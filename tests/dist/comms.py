@@ -21,7 +21,9 @@ class CountingAllGather(AllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.calls += 1
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return dist.all_gather_into_tensor(
+            output_tensor, input_tensor, group=group, async_op=async_op
+        )
 
 
 class AllReduceThenSlice(ReduceScatter):

@@ -181,7 +181,9 @@ def assert_close_to(
     kind = "grad" if grads else "param"
     worst = 0.0
     for fqn, a, b in whole_pairs(model, ref, grads):
-        torch.testing.assert_close(a, b, msg=lambda m: f"{kind} {fqn} {where}: {m}", **tolerance)
+        torch.testing.assert_close(
+            a, b, msg=lambda m, fqn=fqn: f"{kind} {fqn} {where}: {m}", **tolerance
+        )
         worst = max(worst, max_diff(a, b))
     return worst
 
@@ -240,7 +242,7 @@ def train_and_compare(
         dist.all_reduce(global_loss)
         torch.testing.assert_close(
             global_loss / world, ref_loss.detach().to(global_loss.dtype),
-            msg=lambda m: f"loss {step}: {m}", **tolerance,
+            msg=lambda m, step=step: f"loss {step}: {m}", **tolerance,
         )
         vs_torch = max(vs_torch, max_diff(our_loss, their_loss))
         assert_close_to(ours, ref, grads=True, where=step, **tolerance)

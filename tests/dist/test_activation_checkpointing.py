@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint as checkpoint_call
 
 from fsdp_compose import checkpoint_blocks, fully_shard
-from tests.dist.parity import Shard, per_block, train_and_compare
 from tests.dist.counting import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter, first_forward
+from tests.dist.parity import Shard, per_block, train_and_compare
 from tests.models import Block, Transformer, lm_loss, token_batch
 
 
@@ -49,7 +49,10 @@ class ReentrantTwiceTransformer(Transformer):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(tokens) + self.pos_emb[: tokens.shape[1]]
         for block in self.blocks:
-            x = checkpoint_call(lambda h: block(h) + block(h * 0.5), x, use_reentrant=True)
+            # `block` read late on purpose: backward's recomputations all call the last block,
+            # twice each, the case that lost a gradient before feda10c (with `block=block`
+            # bound, the test passes without that fix too).
+            x = checkpoint_call(lambda h: block(h) + block(h * 0.5), x, use_reentrant=True)  # noqa: B023
         return self.head(self.norm(x))
 
 
@@ -80,8 +83,12 @@ def checkpoint_after(model: nn.Module, shard: Shard) -> None:
 def check_checkpointing_parity() -> list[tuple[float, float]]:
     return [
         train_and_compare(transformer_with_inner_checkpoint, lm_loss, token_batch),
-        train_and_compare(lambda: Transformer(depth=3), lm_loss, token_batch, wrap=checkpoint_before),
-        train_and_compare(lambda: Transformer(depth=3), lm_loss, token_batch, wrap=checkpoint_after),
+        train_and_compare(
+            lambda: Transformer(depth=3), lm_loss, token_batch, wrap=checkpoint_before
+        ),
+        train_and_compare(
+            lambda: Transformer(depth=3), lm_loss, token_batch, wrap=checkpoint_after
+        ),
         train_and_compare(reentrant_transformer, lm_loss, token_batch),
         train_and_compare(lambda: reentrant_transformer(frozen_norms=True), lm_loss, token_batch),
     ]
@@ -96,8 +103,10 @@ def test_checkpointing_trains_like_single_process_and_torch(ranks):
 def check_reentrant_unit_called_twice() -> float:
     # torch's fully_shard ends such a unit's backward with the first call's inputs and
     # trains it wrong (0.22 off here), so ours runs in both seats against the reference.
-    return train_and_compare(lambda: reentrant_transformer(frozen_norms=True, twice=True),
-                             lm_loss, token_batch, shard_fns=(fully_shard, fully_shard)).vs_reference
+    return train_and_compare(
+        lambda: reentrant_transformer(frozen_norms=True, twice=True), lm_loss, token_batch,
+        shard_fns=(fully_shard, fully_shard),
+    ).vs_reference
 
 
 def test_reentrant_checkpoint_of_a_unit_called_twice_trains_like_single_process(ranks):

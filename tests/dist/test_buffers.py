@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import fully_shard
 from fsdp_compose.comm import process_wide
-from fsdp_compose.schedule.state import state_of
+from fsdp_compose.schedule.iteration import state_of
 from fsdp_compose.unit.held import (
     GATHERED,
     GRADIENT_LEDGER,
@@ -110,7 +110,8 @@ def check_buffers() -> dict[str, object]:
     left = {ptr: n for ptr, n in storages(gc.get_objects()).items()
             if ptr not in before and ptr not in owned(model, optim)}
     blocks = max(padded_bytes(b.parameters(), world) for b in model.blocks)
-    root = padded_bytes((p for n, p in model.named_parameters() if not n.startswith("blocks.")), world)
+    root_params = (p for n, p in model.named_parameters() if not n.startswith("blocks."))
+    root = padded_bytes(root_params, world)
     return {"peak": sampler.peak, "between": between, "left": left, "world": world,
             "largest": max(blocks, root), "blocks": blocks, "root": root,
             "shards": padded_bytes(model.parameters(), world) // world}

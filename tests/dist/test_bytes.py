@@ -12,7 +12,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard, replicate
-from tests.dist.counting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveCounter, first_forward
+from tests.dist.counting import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    CollectiveCounter,
+    first_forward,
+)
 from tests.models import MLP, feature_batch, mse_loss
 
 # Every dim 0 divides 2 and 4, so no padding: the buffers are exactly the parameters.

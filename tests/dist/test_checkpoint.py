@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -76,7 +75,8 @@ def check_crash_mid_save_keeps_previous_checkpoint(path: str) -> None:
     with mock.patch.object(FileSystemWriter, "finish", side_effect=OSError("disk full")):
         with pytest.raises(CheckpointException) as failed:
             save_checkpoint(path, model, optim, step=1)
-    assert {rank: str(error) for rank, (error, _) in failed.value.failures.items()} == {0: "disk full"}
+    errors = {rank: str(error) for rank, (error, _) in failed.value.failures.items()}
+    assert errors == {0: "disk full"}
     assert Path(path + ".incomplete").is_dir() and not Path(path + ".incomplete/.metadata").exists()
     with pytest.raises(FileNotFoundError, match=r"is not a complete checkpoint \(no \.metadata\)"
                        r"; a save into it was interrupted"):
@@ -131,4 +131,5 @@ def check_save_full_state_dict_to_one_file(path: str) -> None:
 
 
 def test_save_full_state_dict_to_one_file(ranks, tmp_path):
-    ranks.run(check_save_full_state_dict_to_one_file, world_size=2, path=str(tmp_path / "model.safetensors"))
+    path = str(tmp_path / "model.safetensors")
+    ranks.run(check_save_full_state_dict_to_one_file, world_size=2, path=path)

@@ -80,11 +80,17 @@ EXPECTED = {  # the error each damage raises: its type and what its message must
     "shard cut at a tensor boundary": (ValueError, rf"{SHARD}' is truncated"),
     "shard missing": (FileNotFoundError, rf"{SHARD}' is missing"),
     "bytes flipped": (ValueError, rf"{SHARD}' is damaged: its size or CRC-32 differs"),
-    "resume file flipped": (ValueError, r"resume\.rank1\.pt' is damaged: its size or CRC-32 differs"),
+    "resume file flipped": (
+        ValueError, r"resume\.rank1\.pt' is damaged: its size or CRC-32 differs"
+    ),
     "resume file missing": (FileNotFoundError, r"resume\.rank1\.pt' is missing"),
     "checksums not a table": (ValueError, rf"{CHECKSUMS}' is damaged"),
     "checksums without a size": (ValueError, rf"{CHECKSUMS}' is damaged"),
-    "bytes flipped, no checksums": (ValueError, r"reading .* failed \(rank [0-9, ]+: \w+: [^\n]*\); the model and optimizer are unchanged"),
+    "bytes flipped, no checksums": (
+        ValueError,
+        r"reading .* failed \(rank [0-9, ]+: \w+: [^\n]*\); "
+        r"the model and optimizer are unchanged",
+    ),
 }
 
 
@@ -180,5 +186,6 @@ def check_a_failed_load_leaves_a_fresh_optimizer_fresh(path: str) -> tuple[str, 
 
 
 def test_a_failed_load_leaves_a_fresh_optimizer_fresh(ranks, tmp_path):
-    results = ranks.run(check_a_failed_load_leaves_a_fresh_optimizer_fresh, path=str(tmp_path / "c"))
+    check = check_a_failed_load_leaves_a_fresh_optimizer_fresh
+    results = ranks.run(check, path=str(tmp_path / "c"))
     assert len({message for message, _ in results}) == 1 and [n for _, n in results] == [0, 0]

@@ -59,7 +59,9 @@ def test_a_failure_on_the_first_rank_raises_on_every_rank_at_once(ranks, tmp_pat
     assert all(took < 20 for _, took, _ in results) and all(same for _, _, same in results)
 
 
-def check_a_save_killed_between_its_renames(path: str) -> tuple[int | None, list[str], int | None, bool]:
+def check_a_save_killed_between_its_renames(
+    path: str,
+) -> tuple[int | None, list[str], int | None, bool]:
     """The state a kill between the two renames leaves: the previous checkpoint at
     `<path>.replaced`, nothing at `path`. It loads (with a warning); the next save puts a
     checkpoint at `path` and the previous one away."""

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_compose import Int8RowCodec, fully_shard
-from tests.dist.parity import full, per_block
 from tests.dist.counting import ALL_GATHER, CollectiveCounter, first_forward
+from tests.dist.parity import full, per_block
 from tests.models import MLP, feature_batch
 
 
@@ -23,7 +23,8 @@ def rounded(weight: torch.Tensor) -> torch.Tensor:
     codec = Int8RowCodec()
     rows, row_numel = weight.shape
     out = torch.empty(1, weight.numel())
-    codec.decode(codec.encode(weight.reshape(-1), rows, row_numel).view(torch.uint8)[None], out, rows, row_numel)
+    encoded = codec.encode(weight.reshape(-1), rows, row_numel).view(torch.uint8)
+    codec.decode(encoded[None], out, rows, row_numel)
     return out.view_as(weight)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from typing import NamedTuple
 
 import pytest
@@ -11,11 +10,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import fully_shard
-from tests.models import Transformer, lm_loss, token_batch
 from tests.dist.counting import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter, first_forward
+from tests.models import Transformer, lm_loss, token_batch
+
 
 class Counts(NamedTuple):
     forward_all_gathers: int

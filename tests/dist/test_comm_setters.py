@@ -86,7 +86,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         to_a = x[:, 0] > 0
-        parts = [expert(x[rows]) for expert, rows in ((self.a, to_a), (self.b, ~to_a)) if rows.any()]
+        routes = ((self.a, to_a), (self.b, ~to_a))
+        parts = [expert(x[rows]) for expert, rows in routes if rows.any()]
         return torch.cat(parts)
 
 
@@ -253,7 +254,8 @@ def check_post_optim_event() -> list[str]:
     mse_loss(model, x).backward()  # no new event: nothing waited
     with pytest.raises(TypeError, match="set_post_optim_event: expected a torch.Event, got int"):
         model.set_post_optim_event(1)
-    # What torch.get_device_module("cpu").current_stream().record_event() returns: nothing to wait for.
+    # What torch.get_device_module("cpu").current_stream().record_event() returns: nothing
+    # to wait for.
     cpu_event = torch.get_device_module("cpu").current_stream().record_event()
     model.set_post_optim_event(cpu_event)
     mse_loss(model, x).backward()

@@ -51,7 +51,9 @@ def check_compiled_model(backend: str) -> tuple[float, float]:
     vs_reference = vs_torch = 0.0
     for step in range(3):
         _, our_loss, their_loss = backward(compiled, token_batch(step, 4), lm_loss)
-        vs_torch = max(vs_torch, max_diff(our_loss, their_loss), max_diff_to(ours, theirs, grads=True))
+        vs_torch = max(
+            vs_torch, max_diff(our_loss, their_loss), max_diff_to(ours, theirs, grads=True)
+        )
         optimizer_step(optims)
         vs_torch = max(vs_torch, max_diff_to(ours, theirs))
         vs_reference = max(vs_reference, max_diff_to(ours, ref))

@@ -6,11 +6,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import ReduceOp
 
 from tests.dist.comms import AllReduceThenSlice, CountingAllGather
 from tests.dist.parity import (
-    Shard, assert_close_to, backward, max_diff_to, optimizer_step, per_block, three_models,
+    Shard,
+    assert_close_to,
+    backward,
+    max_diff_to,
+    optimizer_step,
+    per_block,
+    three_models,
     train_and_compare,
 )
 from tests.models import Transformer, lm_loss, token_batch

@@ -38,7 +38,9 @@ SETUPS = {
     "flattened replicate": ((2, 2, 1), ("ddp1", "ddp2", "tp"), None, ("ddp1", "ddp2")),
 }
 # Tensor parallel on the last ("tp") dim: fc1 column-wise, fc2 row-wise.
-TP_PLACEMENTS = {"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1), "fc2.bias": Replicate()}
+TP_PLACEMENTS = {
+    "fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1), "fc2.bias": Replicate()
+}
 
 
 class MLP(nn.Module):
@@ -63,7 +65,10 @@ def on_mesh(model: nn.Module, mesh) -> nn.Module:
 def check_trains_like_torch(setup: str) -> dict[str, object]:
     shape, names, shard, replicate = SETUPS[setup]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    dp_names = {n for group in (shard, replicate) if group for n in ((group,) if isinstance(group, str) else group)}
+    dp_names = {
+        n for group in (shard, replicate) if group
+        for n in ((group,) if isinstance(group, str) else group)
+    }
     dp = [i for i, n in enumerate(names) if n in dp_names]
     torch.manual_seed(0)
     ref = MLP()
@@ -107,13 +112,18 @@ def check_trains_like_torch(setup: str) -> dict[str, object]:
         grads = spmd_diffs(ours, theirs, ref, grads=True)
         # The norm across the 2-D placements sums in another order than torch's (an ulp
         # apart); max_norm above it keeps the step exact.
-        norms = [clip_grad_norm_(ours.parameters(), 1e3), nn.utils.clip_grad_norm_(theirs.parameters(), 1e3)]
+        norms = [
+            clip_grad_norm_(ours.parameters(), 1e3),
+            nn.utils.clip_grad_norm_(theirs.parameters(), 1e3),
+        ]
         norm_diff = max(norm_diff, abs(full(norms[0]).item() / full(norms[1]).item() - 1))
         optimizer_step(optims)
         params = spmd_diffs(ours, theirs, ref)
         vs_torch = max(vs_torch, grads[0], params[0])
         vs_ref = max(vs_ref, grads[1], params[1])
-    return {"vs_torch": vs_torch, "vs_ref": vs_ref, "norm_diff": norm_diff, "placements": placements}
+    return {
+        "vs_torch": vs_torch, "vs_ref": vs_ref, "norm_diff": norm_diff, "placements": placements
+    }
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
@@ -132,7 +142,10 @@ def check_refusals() -> list[str]:
     for model, dims, kwargs in (
         (MLP(), DataParallelMeshDims(shard="dp_shard"), {}),  # plain parameters
         (on_mesh(MLP(), mesh), DataParallelMeshDims(shard="dp"), {}),  # no such dim
-        (on_mesh(MLP(), mesh), DataParallelMeshDims(shard="dp_shard"), {"reshard_after_forward": 2}),
+        (
+            on_mesh(MLP(), mesh), DataParallelMeshDims(shard="dp_shard"),
+            {"reshard_after_forward": 2},
+        ),
     ):
         with pytest.raises((ValueError, NotImplementedError)) as raised:
             fully_shard(model, mesh=mesh, dp_mesh_dims=dims, **kwargs)

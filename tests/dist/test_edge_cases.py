@@ -13,8 +13,14 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compose import FSDPModule, fully_shard, register_fsdp_forward_method
 from tests.dist.parity import (
-    assert_close_to, backward, max_diff_to, optimizer_step, rank_share, three_models, two_models,
+    assert_close_to,
+    backward,
+    max_diff_to,
+    optimizer_step,
+    rank_share,
+    three_models,
     train_and_compare,
+    two_models,
 )
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 

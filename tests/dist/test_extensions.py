@@ -24,13 +24,16 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torchao = pytest.importorskip("torchao")
     from torchao.prototype.quantized_training import (
-        bitnet_training, int8_mixed_precision_training,
+        bitnet_training,
+        int8_mixed_precision_training,
     )
 
 
 def quantized_mlp(config: object) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.ReLU(), nn.Linear(8, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.ReLU(), nn.Linear(8, 4)
+    )
     torchao.quantize_(model, config)
     return model
 
@@ -64,7 +67,7 @@ def check_torchao_like_torch(recipe: str, bf16: bool = False) -> dict[str, objec
             optim.zero_grad()
         losses.append(pair[0].item())
         loss_diff = max(loss_diff, max_diff(*pair))
-        for (fqn, ours), theirs in zip(models[0].named_parameters(), models[1].parameters()):
+        for (_, ours), theirs in zip(models[0].named_parameters(), models[1].parameters()):
             param_diff = max(param_diff, max_diff(plain(ours.to_local()), plain(theirs.to_local())))
     weight = models[0][0].weight
     return {
@@ -77,7 +80,9 @@ def check_torchao_like_torch(recipe: str, bf16: bool = False) -> dict[str, objec
 def test_torchao_quantized_training_like_torch(ranks, recipe, bf16):
     for result in ranks.run(check_torchao_like_torch, recipe=recipe, bf16=bf16, world_size=2):
         assert result["loss_diff"] == 0.0 and result["param_diff"] == 0.0, result
-        expected = {"bitnet": "BitNetTrainingLinearWeight", "int8": "Int8MixedPrecisionTrainingLinearWeight"}
+        expected = {
+            "bitnet": "BitNetTrainingLinearWeight", "int8": "Int8MixedPrecisionTrainingLinearWeight"
+        }
         assert result["shard_class"] == expected[recipe], result
         assert result["param_class"] == "DTensor"
         assert result["losses"][-1] < result["losses"][0]
@@ -112,15 +117,18 @@ class Recorded:
 
 def pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
     """Send the shard in bfloat16 and its row sums in float32, with metadata."""
-    Recorded.calls.append(
-        ("pre", mesh.ndim, mesh.size(), tuple(outer_size), tuple(outer_stride), type(module).__name__)
-    )
+    Recorded.calls.append((
+        "pre", mesh.ndim, mesh.size(), tuple(outer_size), tuple(outer_stride),
+        type(module).__name__,
+    ))
     return (self.to(torch.bfloat16), self.sum(dim=-1)), {"rows": self.shape[0]}
 
 
 def post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
     low, sums = outputs
-    Recorded.calls.append(("post", metadata["rows"], param_dtype, out is not None, tuple(low.shape)))
+    Recorded.calls.append(
+        ("post", metadata["rows"], param_dtype, out is not None, tuple(low.shape))
+    )
     assert torch.allclose(low.float().sum(dim=-1), sums, atol=0.05)  # both inputs arrived
     if out is not None:
         with torch.autograd._unsafe_preserve_version_counter(out):
@@ -165,7 +173,8 @@ def check_hooks_attached_after_to_empty(mesh_shape: tuple[int, ...]) -> dict[str
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["FSDP", "HSDP"])
 def test_hooks_attached_to_a_local_shard(ranks, mesh_shape):
     world = 4 if len(mesh_shape) == 2 else 2
-    for result in ranks.run(check_hooks_attached_after_to_empty, mesh_shape=mesh_shape, world_size=world):
+    check = check_hooks_attached_after_to_empty
+    for result in ranks.run(check, mesh_shape=mesh_shape, world_size=world):
         calls = result["calls"]
         # Per iteration one gather of both weights (the root keeps them for backward).
         assert [c[0] for c in calls] == ["pre", "pre", "post", "post"] * 2, calls
@@ -251,7 +260,8 @@ def check_own_subclass_like_torch() -> tuple[float, float, str]:
 
 
 def test_own_subclass_like_torch(ranks):
-    for loss_diff, param_diff, shard_class in ranks.run(check_own_subclass_like_torch, world_size=2):
+    results = ranks.run(check_own_subclass_like_torch, world_size=2)
+    for loss_diff, param_diff, shard_class in results:
         assert loss_diff == 0.0 and param_diff == 0.0
         assert shard_class == "Pair"
 

@@ -49,7 +49,8 @@ def first_rank_fault(fault: str | None, path: str) -> Iterator[None]:
     """The fault on the first rank (the only one that touches files); the others unpatched."""
     with pytest.MonkeyPatch.context() as patch:
         if dist.get_rank() == 0 and fault == "read error":
-            patch.setattr(full_state_dict, "_read", failing_after(2, full_state_dict._read, errno.EIO))
+            failing_read = failing_after(2, full_state_dict._read, errno.EIO)
+            patch.setattr(full_state_dict, "_read", failing_read)
         if dist.get_rank() == 0 and fault == "read-only" and os.access(path, os.W_OK):
             # As root, chmod does not stop writes: open() refuses as it would for a user.
             patch.setattr(safetensors_writer, "open", refusing_in(path), raising=False)
@@ -132,21 +133,28 @@ def test_damaged_checkpoints_refused_on_every_rank(ranks, tmp_path):
         assert outcomes[name] == error, name
 
 
-def check_saves_refused(cases: list[tuple[str, str, int, str | None]], after: str) -> dict[str, Outcome]:
+def check_saves_refused(
+    cases: list[tuple[str, str, int, str | None]], after: str
+) -> dict[str, Outcome]:
     """Each case's outcome, by name; then a save to `after` (the ranks are still in step)."""
     model = model_of(seed=1, shard=True)  # other values than the checkpoints already there
     outcomes = {}
     for name, path, max_shard_size, fault in cases:
         with first_rank_fault(fault, path):
-            outcomes[name] = raised(save_full_state_dict, model, path, max_shard_size=max_shard_size)
+            outcomes[name] = raised(
+                save_full_state_dict, model, path, max_shard_size=max_shard_size
+            )
     save_full_state_dict(model, after)
     return outcomes
 
 
 def test_failed_saves_raise_on_every_rank_and_keep_the_previous_checkpoint(ranks, tmp_path):
     previous = model_of(seed=0, shard=False).state_dict()
-    for folder, max_shard_size in (("read-only", 2**30), ("full", 2**30), ("full-sharded", SEVERAL_FILES)):
-        save_full_state_dict(model_of(seed=0, shard=False), tmp_path / folder, max_shard_size=max_shard_size)
+    folders = (("read-only", 2**30), ("full", 2**30), ("full-sharded", SEVERAL_FILES))
+    for folder, max_shard_size in folders:
+        save_full_state_dict(
+            model_of(seed=0, shard=False), tmp_path / folder, max_shard_size=max_shard_size
+        )
     (tmp_path / "a-file").write_text("not a directory")
     (tmp_path / "a-directory.safetensors").mkdir()
     saved = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
@@ -164,17 +172,20 @@ def test_failed_saves_raise_on_every_rank_and_keep_the_previous_checkpoint(ranks
     a_file = tmp_path / "a-file"
     expected = {
         "parent is a file": ("NotADirectoryError",
-            f"[Errno 20] {cannot} {a_file / 'model.safetensors'}: {a_file} is a file, not a directory."),
+            f"[Errno 20] {cannot} {a_file / 'model.safetensors'}: {a_file} is a file, not "
+            "a directory."),
         "ancestor is a file": ("NotADirectoryError",
             f"[Errno 20] {cannot} {a_file / 'sub' / 'model.safetensors'}: {a_file} is a file, not "
             "a directory."),
         "target is a directory": ("IsADirectoryError",
-            f"[Errno 21] {cannot} {tmp_path / 'a-directory.safetensors'}: it is a directory. Remove "
-            "it, or pass a path without .safetensors to save into it."),
+            f"[Errno 21] {cannot} {tmp_path / 'a-directory.safetensors'}: it is a directory. "
+            "Remove it, or pass a path without .safetensors to save into it."),
         "read-only directory": ("PermissionError",
-            f"[Errno 13] {cannot} {tmp_path / 'read-only' / 'model.safetensors'}: Permission denied."),
+            f"[Errno 13] {cannot} {tmp_path / 'read-only' / 'model.safetensors'}: "
+            "Permission denied."),
         "disk full": ("OSError",
-            f"[Errno 28] {cannot} {tmp_path / 'full' / 'model.safetensors'}: No space left on device."),
+            f"[Errno 28] {cannot} {tmp_path / 'full' / 'model.safetensors'}: "
+            "No space left on device."),
         "disk full in the second file": ("OSError",
             f"[Errno 28] {cannot} {tmp_path / 'full-sharded' / second}: No space left on device."),
     }

@@ -15,7 +15,12 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from fsdp_compose import WrapPolicy, checkpoint_blocks, wrap
 from tests.dist.parity import (
-    assert_close_to, backward, make_mesh, max_diff, max_diff_to, optimizer_step,
+    assert_close_to,
+    backward,
+    make_mesh,
+    max_diff,
+    max_diff_to,
+    optimizer_step,
 )
 from tests.models import token_batch
 

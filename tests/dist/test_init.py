@@ -11,9 +11,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from fsdp_compose import fully_shard, materialize
-from tests.dist.parity import assert_close_to, backward, full, make_mesh, per_block
-from tests.models import MLP, Transformer, lm_loss, token_batch
+from tests.dist.parity import full, make_mesh, per_block
 from tests.dist.training import train_step_matches
+from tests.models import MLP, Transformer
 
 
 def gpt_init(module: nn.Module) -> None:

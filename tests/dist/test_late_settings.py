@@ -179,5 +179,6 @@ def check_share_comm_ctx_after_a_step(one_backward: bool) -> tuple[float, list[s
 
 @pytest.mark.parametrize("one_backward", [True, False], ids=["one backward", "a backward per root"])
 def test_share_comm_ctx_after_a_step_keeps_every_gradient(ranks, one_backward):
-    for vs_torch, missing in ranks.run(check_share_comm_ctx_after_a_step, one_backward=one_backward):
+    results = ranks.run(check_share_comm_ctx_after_a_step, one_backward=one_backward)
+    for vs_torch, missing in results:
         assert missing == [] and vs_torch == 0.0, (missing, vs_torch)

@@ -26,7 +26,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import fully_shard, set_local_optimizer_step
 from tests.dist.parity import (
-    backward, full, max_diff_to, optimizer_step, rank_share, three_models,
+    backward,
+    full,
+    max_diff_to,
+    optimizer_step,
+    rank_share,
+    three_models,
 )
 from tests.models import Transformer, lm_loss, token_batch
 

@@ -39,7 +39,9 @@ def _own_mesh_for_weights(mesh: DeviceMesh) -> object:
     """A shard_placement_fn putting weights on `mesh` (a mesh info of torch's would fail
     on a rank outside it when built, in torch's own get_group: any object with `mesh`)."""
     info = SimpleNamespace(mesh=mesh)
-    return lambda param: SimpleNamespace(placement=Shard(0), mesh_info=info) if param.ndim == 2 else None
+    return lambda param: (
+        SimpleNamespace(placement=Shard(0), mesh_info=info) if param.ndim == 2 else None
+    )
 
 
 def check_mesh_without_this_rank() -> dict[str, object]:

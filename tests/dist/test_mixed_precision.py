@@ -15,7 +15,12 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 from tests.dist.parity import (
-    assert_close_to, backward, optimizer_step, rank_share, three_models, train_and_compare,
+    assert_close_to,
+    backward,
+    optimizer_step,
+    rank_share,
+    three_models,
+    train_and_compare,
 )
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 
@@ -151,7 +156,9 @@ class Mixed(nn.Module):
         torch.manual_seed(0)
         self.first = nn.Linear(8, 7)
         self.second = nn.Linear(7, 5).to(second_dtype)
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 5, dtype=torch.float64), requires_grad=False)
+        self.scale = nn.Parameter(
+            torch.linspace(0.5, 1.5, 5, dtype=torch.float64), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.first(x)).to(self.second.weight.dtype)

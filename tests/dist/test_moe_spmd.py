@@ -85,7 +85,9 @@ class MoEBlock(nn.Module):
         self.proj = nn.Linear(DIM, DIM)
         self.router = nn.Linear(DIM, EXPERTS, bias=False)
         self.routed_experts = GroupedExperts()
-        self.shared_expert = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, DIM))
+        self.shared_expert = nn.Sequential(
+            nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, DIM)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.proj(self.norm(x))
@@ -284,4 +286,7 @@ def test_mesh_infos_must_match_the_unit(ranks):
     assert results[0] == results[1] and len(results[0]) == 2  # every rank alike
     with_dims, without = (message for _, message in results[0])
     assert "mesh_info has no dp_mesh_dims, while the unit is sharded with dp_mesh_dims" in with_dims
-    assert "mesh_info has dp_mesh_dims, while the unit is sharded with a plain data-parallel mesh" in without
+    assert (
+        "mesh_info has dp_mesh_dims, while the unit is sharded with a plain data-parallel mesh"
+        in without
+    )

@@ -1,8 +1,9 @@
 """A data-parallel group of one rank gathers nothing: its shards are the whole parameters,
 so the unsharded parameters are views of them (no all-gather, no copy). Its reduction sends
 nothing and copies as torch's does: the gradients chunked into one buffer, copied out as
-the reduced shards (a `.grad` never aliases autograd's gradient). Under a mixed-precision policy the shards are cast
-straight into the unsharded parameters (one foreach copy per gather, nothing copied out).
+the reduced shards (a `.grad` never aliases autograd's gradient). Under a mixed-precision
+policy the shards are cast straight into the unsharded parameters (one foreach copy per
+gather, nothing copied out).
 It trains as torch's fully_shard and the single-process model do."""
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def check_one_rank() -> dict[str, object]:
     torch.manual_seed(0)
     model = Transformer()
     per_block(model, fully_shard)
-    shards = {name: p.to_local().untyped_storage().data_ptr() for name, p in model.named_parameters()}
+    shards = {
+        name: p.to_local().untyped_storage().data_ptr() for name, p in model.named_parameters()
+    }
     seen: dict[str, bool] = {}
 
     def views_of_shards(module, args) -> None:

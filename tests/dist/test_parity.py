@@ -59,7 +59,9 @@ def check_the_helper_fails_on_a_shifted_reference() -> str:
     from fsdp_compose import fully_shard
 
     with pytest.raises(AssertionError, match="differs from torch's fully_shard by") as failed:
-        train_and_compare(MLP, mse_loss, feature_batch, shard_fns=(fully_shard, shifted_torch_fully_shard))
+        train_and_compare(
+            MLP, mse_loss, feature_batch, shard_fns=(fully_shard, shifted_torch_fully_shard)
+        )
     # A run that differs from torch's on purpose says why, and gets the difference back.
     errors = train_and_compare(MLP, mse_loss, feature_batch, torch_differs="shifted by 1e-3",
                                shard_fns=(fully_shard, shifted_torch_fully_shard))

@@ -8,8 +8,8 @@ import torch
 
 from fsdp_compose import CPUOffloadPolicy, Setup, checkpoint_blocks, fully_shard, plan
 from tests.dist.counting import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
-from tests.models import Transformer, lm_loss, token_batch
 from tests.dist.planning import build, measured_peak
+from tests.models import lm_loss, token_batch
 
 SETUPS = [
     Setup(blocks_per_unit=1, reshard_after_forward=True),
@@ -35,11 +35,16 @@ def check_measured(setup: Setup) -> tuple[int, int]:
 
 
 def test_predictions_match_real_runs(ranks):
-    plans = {p.setup: p for p in plan(build, world_size=2, sample_input=batch(), loss_fn=lm_loss, setups=SETUPS)}
+    plans = {
+        p.setup: p
+        for p in plan(build, world_size=2, sample_input=batch(), loss_fn=lm_loss, setups=SETUPS)
+    }
     for setup in SETUPS:
         measured_peak, measured_bytes = ranks.run(check_measured, setup=setup)[0]
         predicted = plans[setup]
-        assert abs(predicted.peak_bytes - measured_peak) <= 0.10 * measured_peak, (setup, predicted, measured_peak)
+        assert abs(predicted.peak_bytes - measured_peak) <= 0.10 * measured_peak, (
+            setup, predicted, measured_peak
+        )
         assert predicted.bytes_per_step == measured_bytes, setup
     # The setups differ: reshard_after_forward=False holds more, checkpointing less.
     peaks = [plans[s].peak_bytes for s in SETUPS]
@@ -98,7 +103,9 @@ def check_printed_calls_run(code: str) -> list[int]:
 
 
 def test_the_printed_calls_name_the_users_block_class_and_run(ranks):
-    (p,) = plan(MyModel, world_size=2, sample_input=torch.randn(4, 7), setups=[Setup(checkpoint_every=2)])
+    (p,) = plan(
+        MyModel, world_size=2, sample_input=torch.randn(4, 7), setups=[Setup(checkpoint_every=2)]
+    )
     assert p.code == (
         "checkpoint_blocks(model, MyBlock, every=2)\n"
         "for block in model.layers:\n"

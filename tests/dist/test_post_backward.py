@@ -16,10 +16,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fsdp_compose import fully_shard
-from tests.dist.parity import (
-    assert_close_to, backward, max_diff_to, per_block, three_models, train_and_compare,
-)
 from tests.dist.counting import MATMUL, GatherOrder, all_gather, reduce_scatter
+from tests.dist.parity import (
+    assert_close_to,
+    backward,
+    max_diff_to,
+    per_block,
+    three_models,
+    train_and_compare,
+)
 from tests.models import MLP, feature_batch, mse_loss
 
 
@@ -242,7 +247,9 @@ def check_optimizer_in_backward(steps: int) -> tuple[float, float, list[int]]:
     for step in range(steps):
         backward((ref, ours, theirs), feature_batch(step, 2 * world), mse_loss)
         for m in (ours, theirs):
-            assert all(p.grad is None for p in m.parameters()), "each hook ran and freed its gradient"
+            assert all(p.grad is None for p in m.parameters()), (
+                "each hook ran and freed its gradient"
+            )
     assert counts[1] == counts[2] == counts[0]
     return assert_close_to(ours, ref), max_diff_to(ours, theirs), counts[1]
 

@@ -12,14 +12,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import fully_shard
-from fsdp_compose.schedule.state import state_of
+from fsdp_compose.schedule.iteration import state_of
+from tests.dist.counting import GatherOrder
 from tests.dist.parity import Shard, per_block, train_and_compare
 from tests.models import MLP, feature_batch, mse_loss
-from tests.dist.counting import GatherOrder
-
 
 
 def with_prefetch(model: nn.Module, shard: Shard) -> None:
@@ -230,11 +228,15 @@ def test_limiter_bounds_all_gathers_in_flight(ranks, limit, most):
 
 def check_limit_must_be_positive() -> None:
     model = fully_shard(MLP())
-    with pytest.raises(ValueError, match=r"set_max_all_gathers_in_flight: expected an int >= 1, got 0"):
+    with pytest.raises(
+        ValueError, match=r"set_max_all_gathers_in_flight: expected an int >= 1, got 0"
+    ):
         model.set_max_all_gathers_in_flight(0)
     root = fully_shard(nn.Sequential(model))
     model.set_max_all_gathers_in_flight(1)  # not the root: its root would ignore it
-    with pytest.raises(ValueError, match=r"communication bounds were set on \['0'\].*Call the setter on the root"):
+    with pytest.raises(
+        ValueError, match=r"communication bounds were set on \['0'\].*Call the setter on the root"
+    ):
         root(feature_batch(0, 2))
 
 

@@ -13,11 +13,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import fully_shard
+from tests.dist.failures import Injected, raise_in_backward, raise_in_forward
 from tests.dist.parity import (
-    assert_close_to, backward, make_mesh, optimizer_step, per_block, rank_share,
+    assert_close_to,
+    backward,
+    make_mesh,
+    optimizer_step,
+    per_block,
+    rank_share,
 )
 from tests.models import Transformer, lm_loss, token_batch
-from tests.dist.failures import Injected, raise_in_backward, raise_in_forward
 
 
 def check_failed_steps_recover(mesh_shape: tuple[int, ...]) -> None:

@@ -206,7 +206,9 @@ def check_non_contiguous_parameter(path: str) -> tuple[float, float, float]:
     state = {k: full(v) for k, v in model.state_dict().items()}
     assert list(state) == list(ref.state_dict())
     for key, value in ref.state_dict().items():
-        torch.testing.assert_close(state[key], value, msg=lambda m: f"state_dict {key}: {m}")
+        torch.testing.assert_close(
+            state[key], value, msg=lambda m, key=key: f"state_dict {key}: {m}"
+        )
 
     save_checkpoint(path, model, optims[1], step=3)
     torch.manual_seed(1)  # other values, replaced by the load

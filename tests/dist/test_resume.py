@@ -107,7 +107,8 @@ def check_a_scheduler_built_after_the_load(path: str) -> list[float]:
 
 
 def test_a_scheduler_built_after_the_load_continues(ranks, tmp_path):
-    for late, original in ranks.run(check_a_scheduler_built_after_the_load, path=str(tmp_path / "c")):
+    results = ranks.run(check_a_scheduler_built_after_the_load, path=str(tmp_path / "c"))
+    for late, original in results:
         assert late == original
 
 
@@ -131,7 +132,10 @@ def check_a_dcp_recipe_checkpoint_loads(path: str) -> tuple[float, str]:
     dcp.save({"app": AppState(model, optim)}, checkpoint_id=path)
     fresh, fresh_optim = new_run(1)
     load_checkpoint(path, fresh, fresh_optim)
-    diff = max(float((full(a) - full(b)).abs().max()) for a, b in zip(model.parameters(), fresh.parameters()))
+    diff = max(
+        float((full(a) - full(b)).abs().max())
+        for a, b in zip(model.parameters(), fresh.parameters())
+    )
     other = sharded_transformer(0, depth=3)  # one block more: none of its keys is there...
     dcp.save({"elsewhere": {"weights": other.state_dict()}}, checkpoint_id=path + "2")
     with pytest.raises(ValueError) as raised:
@@ -142,7 +146,9 @@ def check_a_dcp_recipe_checkpoint_loads(path: str) -> tuple[float, str]:
 def test_a_checkpoint_of_torchs_dcp_recipe_loads_and_others_show_their_keys(ranks, tmp_path):
     for diff, message in ranks.run(check_a_dcp_recipe_checkpoint_loads, path=str(tmp_path / "d")):
         assert diff == 0.0
-        assert "holds none of the model's keys: its keys begin with ['elsewhere.weights.']" in message
+        assert (
+            "holds none of the model's keys: its keys begin with ['elsewhere.weights.']" in message
+        )
 
 
 def check_asking_for_what_was_not_saved(path: str) -> list[str]:

@@ -51,7 +51,9 @@ def trained(layout: str) -> tuple[nn.Module, nn.Module, list[torch.optim.Optimiz
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         torch.manual_seed(0)
         ref = TPModel()
-        models = [two_d(copy.deepcopy(ref), mesh, shard) for shard in (fully_shard, torch_fully_shard)]
+        models = [
+            two_d(copy.deepcopy(ref), mesh, shard) for shard in (fully_shard, torch_fully_shard)
+        ]
         ours, theirs = models
         loss_fn, batch = mse_loss, torch.randn(4, 3, 16, generator=torch.Generator().manual_seed(1))
     else:
@@ -116,7 +118,9 @@ def check_one_rank_save_and_load() -> bool:
     fresh = Transformer()
     per_block(fresh, fully_shard)
     fresh.load_state_dict(torch.load(saved, weights_only=False))
-    return all(torch.equal(full(a), full(b)) for a, b in zip(model.parameters(), fresh.parameters()))
+    return all(
+        torch.equal(full(a), full(b)) for a, b in zip(model.parameters(), fresh.parameters())
+    )
 
 
 def test_a_state_dict_saved_at_one_rank_loads_back(ranks):

@@ -12,11 +12,17 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from fsdp_compose import clip_grad_norm_, fully_shard
+from tests.dist.counting import ALL_GATHER, CollectiveCounter
 from tests.dist.parity import (
-    backward, full, make_mesh, max_diff_to, optimizer_step, three_models, train_and_compare,
+    backward,
+    full,
+    make_mesh,
+    max_diff_to,
+    optimizer_step,
+    three_models,
+    train_and_compare,
     two_models,
 )
-from tests.dist.counting import ALL_GATHER, CollectiveCounter
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 from tests.torch_support import needs_shard_placement_result
 
@@ -161,12 +167,15 @@ def test_reshard_after_forward_to_a_smaller_group(ranks):
         assert vs_reference < 1e-4
 
 
-def check_parameters_on_their_own_mesh(reshard_after_forward: bool | int) -> tuple[float, float, dict[int, int]]:
+def check_parameters_on_their_own_mesh(
+    reshard_after_forward: bool | int,
+) -> tuple[float, float, dict[int, int]]:
     """torch's MoE pattern: some parameters (here each block's (36, 12) weights) on an HSDP
     mesh of their own, the rest fully sharded over all 4 ranks: two all-gathers per unit,
     gradients averaged over all ranks either way."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        HSDPMeshInfo, ShardPlacementResult,
+        HSDPMeshInfo,
+        ShardPlacementResult,
     )
 
     hsdp = make_mesh((2, 2))
@@ -249,7 +258,8 @@ def check_with_policies() -> list[float]:
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return [
         train_and_compare(Transformer, lm_loss, token_batch, shard_placement_fn=shard_dim_1,
-                          mp_policy=bf16, reference_tolerance={"rtol": 5e-2, "atol": 5e-2}).vs_torch,
+                          mp_policy=bf16,
+                          reference_tolerance={"rtol": 5e-2, "atol": 5e-2}).vs_torch,
         train_and_compare(Transformer, lm_loss, token_batch, shard_placement_fn=shard_dim_1,
                           offload_policy=CPUOffloadPolicy(pin_memory=False)).vs_torch,
     ]
@@ -267,7 +277,9 @@ class MixedDtypes(nn.Module):
         super().__init__()
         self.first = nn.Linear(8, 6)
         self.second = nn.Linear(6, 8)
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8, dtype=torch.float64), requires_grad=False)
+        self.scale = nn.Parameter(
+            torch.linspace(0.5, 1.5, 8, dtype=torch.float64), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.second(torch.relu(self.first(x))).double() * self.scale).float()
@@ -290,7 +302,8 @@ def check_an_all_reduce_hook_on_a_unit_of_two_meshes() -> dict[str, object]:
     them in place (exact), so each block gradient is three times the unhooked model's."""
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        HSDPMeshInfo, ShardPlacementResult,
+        HSDPMeshInfo,
+        ShardPlacementResult,
     )
 
     hsdp = make_mesh((2, 2))
@@ -313,9 +326,11 @@ def check_an_all_reduce_hook_on_a_unit_of_two_meshes() -> dict[str, object]:
     for model in (hooked, plain):
         lm_loss(model, batch).backward()
     grads = max(float((full(a.grad) - 3 * full(b.grad)).abs().max())
-                for (n, a), b in zip(hooked.named_parameters(), plain.parameters()) if n.startswith("blocks."))
+                for (n, a), b in zip(hooked.named_parameters(), plain.parameters())
+                if n.startswith("blocks."))
     others = max(float((full(a.grad) - full(b.grad)).abs().max())
-                 for (n, a), b in zip(hooked.named_parameters(), plain.parameters()) if not n.startswith("blocks."))
+                 for (n, a), b in zip(hooked.named_parameters(), plain.parameters())
+                 if not n.startswith("blocks."))
     return {"calls": calls, "blocks": grads, "others": others}
 
 
@@ -323,4 +338,7 @@ def check_an_all_reduce_hook_on_a_unit_of_two_meshes() -> dict[str, object]:
 def test_an_all_reduce_hook_runs_once_per_mesh_of_its_unit(ranks):
     for result in ranks.run(check_an_all_reduce_hook_on_a_unit_of_two_meshes, world_size=4):
         # Two blocks, two meshes each: four calls, of two sizes (each mesh's shards).
-        assert len(result["calls"]) == 4 and len(set(result["calls"])) == 2 and result["blocks"] == 0.0 and result["others"] == 0.0, result
+        assert (
+            len(result["calls"]) == 4 and len(set(result["calls"])) == 2
+            and result["blocks"] == 0.0 and result["others"] == 0.0
+        ), result

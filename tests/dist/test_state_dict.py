@@ -8,20 +8,21 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 
 from fsdp_compose import fully_shard
-from tests.dist.parity import full, optimizer_step, per_block, rank_share
-from tests.dist.training import train_step_matches
-from tests.models import Transformer, lm_loss, token_batch
-from tests.dist.training import sharded_transformer, train
+from tests.dist.parity import full, per_block
+from tests.dist.training import sharded_transformer, train, train_step_matches
+from tests.models import Transformer
 
 
 def check_state_dict_is_sharded_under_original_names() -> None:
@@ -87,7 +88,9 @@ def test_load_errors_name_key_and_shapes(ranks):
 def check_distributed_state_dict_round_trips(full_state_dict: bool) -> None:
     """get_state_dict / set_state_dict of model and optimizer, sharded or whole: restoring
     and repeating a step gives bit-identical parameters."""
-    options = StateDictOptions(full_state_dict=full_state_dict, broadcast_from_rank0=full_state_dict)
+    options = StateDictOptions(
+        full_state_dict=full_state_dict, broadcast_from_rank0=full_state_dict
+    )
     model = sharded_transformer(0)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train(model, optim, range(2))

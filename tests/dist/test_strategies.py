@@ -14,15 +14,20 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_compose import fully_shard, replicate
-from tests.dist.parity import Shard as ShardFn
+from tests.dist.checks import check_hsdp_accumulation_without_all_reduce
+from tests.dist.counting import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    CollectiveCounter,
+    first_forward,
+)
 from tests.dist.parity import (
-    assert_close_to, backward, make_mesh, max_diff_to, per_block, three_models,
+    max_diff_to,
+    per_block,
     train_and_compare,
 )
-from tests.dist.counting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveCounter, first_forward
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
-from tests.dist.checks import check_hsdp_accumulation_without_all_reduce
-
 
 
 def check_hsdp() -> list[tuple[float, float]]:
@@ -88,7 +93,8 @@ def replicate_like_torch(module, mesh, **kwargs):
 
 def check_replicate() -> list[tuple[float, float]]:
     return [
-        tuple(train_and_compare(make_model, loss, batch, shard_fns=(replicate, replicate_like_torch),
+        tuple(train_and_compare(make_model, loss, batch,
+                                shard_fns=(replicate, replicate_like_torch),
                                 torch_differs=REPLICATE_DIFFERS))
         for make_model, loss, batch in ((MLP, mse_loss, feature_batch),
                                         (Transformer, lm_loss, token_batch))
@@ -246,4 +252,5 @@ def check_replicate_over_a_dim_of_a_larger_mesh() -> float:
 
 
 def test_replicate_over_a_dim_of_a_larger_mesh(ranks):
-    assert all(d < 1e-6 for d in ranks.run(check_replicate_over_a_dim_of_a_larger_mesh, world_size=4))
+    diffs = ranks.run(check_replicate_over_a_dim_of_a_larger_mesh, world_size=4)
+    assert all(d < 1e-6 for d in diffs)

@@ -13,12 +13,10 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fsdp_compose.unit.gather as gather_module
 import fsdp_compose.unit.reduce as reduce_module
-import fsdp_compose.unit.replicas as replicas_module
 from fsdp_compose import fully_shard
-from fsdp_compose.comm.collectives import ReusedBuffer
-from fsdp_compose.comm.collectives import all_gather, all_reduce, reduce_scatter
-from tests.dist.parity import train_and_compare
+from fsdp_compose.comm.collectives import ReusedBuffer, all_gather, all_reduce, reduce_scatter
 from tests.dist.checks import check_hsdp_accumulation_without_all_reduce
+from tests.dist.parity import train_and_compare
 from tests.models import Transformer, lm_loss, token_batch
 
 LOG: list[str] = []  # per worker process
@@ -102,7 +100,9 @@ def shard_on_recorded_streams(module, **kwargs):
     unit = module._state().unit
     (part,) = unit.parts
     unit.streams = part.streams = RecordingStreams()
-    unit.gatherers[0]._buffer, unit.reducers[0]._buffer = LoggedBuffer("gather"), LoggedBuffer("reduce")
+    unit.gatherers[0]._buffer, unit.reducers[0]._buffer = (
+        LoggedBuffer("gather"), LoggedBuffer("reduce")
+    )
     return module
 
 
@@ -111,12 +111,14 @@ def logged_collectives():
     """The collectives our units send, logged (from a clear log)."""
     LOG.clear()
     gather_module.all_gather = logged_all_gather
-    reduce_module.reduce_scatter, replicas_module.all_reduce = logged_reduce_scatter, logged_all_reduce
+    reduce_module.reduce_scatter, reduce_module.all_reduce = (
+        logged_reduce_scatter, logged_all_reduce
+    )
     try:
         yield
     finally:
         gather_module.all_gather = all_gather
-        reduce_module.reduce_scatter, replicas_module.all_reduce = reduce_scatter, all_reduce
+        reduce_module.reduce_scatter, reduce_module.all_reduce = reduce_scatter, all_reduce
 
 
 def check_protocol(**shard_kwargs) -> tuple[float, list[str]]:
@@ -144,7 +146,9 @@ def assert_rules_kept(log: list[str], gathers_from_kept_pieces: int = 0) -> None
             open_context = entry
         elif entry in ("/gathering", "/reducing"):
             kind = "gathered" if entry == "/gathering" else "reduced"
-            assert log[i - 1].startswith(kind + "#"), f"{entry}: the event comes last: {log[i - 3:i + 1]}"
+            assert log[i - 1].startswith(kind + "#"), (
+                f"{entry}: the event comes last: {log[i - 3:i + 1]}"
+            )
             open_context = None
         elif entry == "all_gather":
             assert open_context == "gathering", f"all-gather outside the all-gather stream at {i}"
@@ -155,7 +159,9 @@ def assert_rules_kept(log: list[str], gathers_from_kept_pieces: int = 0) -> None
                 f"HSDP's all-reduce at {i} is not right after the reduce-scatter on its stream"
             )
         elif entry == "take gather":
-            assert open_context == "gathering", "the gathered buffer belongs to the all-gather stream"
+            assert open_context == "gathering", (
+                "the gathered buffer belongs to the all-gather stream"
+            )
         elif entry == "take reduce":
             assert open_context is None, "the reduction's input belongs to the compute stream"
         elif entry.startswith("wait gathered#"):

@@ -11,10 +11,14 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compose import fully_shard
-from tests.dist.parity import (
-    assert_close_to, backward, max_diff_to, optimizer_step, rank_share,
-)
 from tests.dist.failures import Injected, raise_in_backward, raise_in_forward
+from tests.dist.parity import (
+    assert_close_to,
+    backward,
+    max_diff_to,
+    optimizer_step,
+    rank_share,
+)
 from tests.models import Transformer, lm_loss, token_batch
 
 ACTIONS = ("step", "accumulate", "eval", "inference", "unshard", "fail")

@@ -16,12 +16,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
 )
 
 from fsdp_compose import clip_grad_norm_, fully_shard
 from tests.dist.parity import (
-    assert_close_to, backward, full, max_diff, max_diff_to, optimizer_step,
+    assert_close_to,
+    backward,
+    full,
+    max_diff,
+    max_diff_to,
+    optimizer_step,
 )
 from tests.models import mse_loss
 
@@ -116,7 +125,9 @@ def check_tensor_parallel_parity(steps: int, placement_fn=None) -> tuple[float, 
 
 @pytest.mark.parametrize("placement_fn", [None, shard_dim_1], ids=["dim 0", "dim 1"])
 def test_tensor_parallel_trains_like_single_process_and_torch(ranks, placement_fn):
-    results = ranks.run(check_tensor_parallel_parity, world_size=4, steps=3, placement_fn=placement_fn)
+    results = ranks.run(
+        check_tensor_parallel_parity, world_size=4, steps=3, placement_fn=placement_fn
+    )
     for vs_torch, placements in results:
         assert vs_torch == 0.0
         for fqn, ours, theirs in placements:  # _StridedShard where TP shards the same dim
@@ -192,7 +203,9 @@ class SPBlock(nn.Module):
 
 def sequence_parallel_plan(blocks: int) -> dict:
     """Norms and the residual stream sharded on the sequence; attention and MLP gather it."""
-    gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    gather_sequence = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+    )
     plan = {}
     for i in range(blocks):
         plan.update({

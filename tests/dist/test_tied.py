@@ -9,12 +9,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import fully_shard
-from tests.dist.parity import assert_close_to, backward, full, optimizer_step
 from tests.dist.counting import REDUCE_SCATTER, CollectiveCounter
+from tests.dist.parity import assert_close_to, backward, full, optimizer_step
 from tests.models import Transformer, lm_loss, token_batch
 
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compose import StepTrace, fully_shard
-from tests.dist.parity import make_mesh, max_diff_to, per_block
 from tests.dist.counting import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
+from tests.dist.parity import make_mesh, max_diff_to, per_block
 from tests.models import Transformer, lm_loss, token_batch
 from tests.torch_support import needs_shard_placement_result
 
@@ -40,7 +40,10 @@ def check_spans(path: str) -> dict[str, object]:
     root_own = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
     expected = {
         "": unit_bytes(root_own, world),
-        **{f"blocks.{i}": unit_bytes(list(b.parameters()), world) for i, b in enumerate(model.blocks)},
+        **{
+            f"blocks.{i}": unit_bytes(list(b.parameters()), world)
+            for i, b in enumerate(model.blocks)
+        },
     }
     spans = sorted(trace.spans, key=lambda s: s.start)
     return {
@@ -48,7 +51,9 @@ def check_spans(path: str) -> dict[str, object]:
         "gathers": [(s.phase, s.unit, s.nbytes) for s in spans if s.kind == "all-gather"],
         "reductions": [(s.unit, s.nbytes) for s in spans if s.kind == "reduce-scatter"],
         "forward computes": [s.unit for s in spans if s.kind == "compute" and s.phase == "forward"],
-        "counted": {ALL_GATHER: counter.counts[ALL_GATHER], REDUCE_SCATTER: counter.counts[REDUCE_SCATTER]},
+        "counted": {
+            ALL_GATHER: counter.counts[ALL_GATHER], REDUCE_SCATTER: counter.counts[REDUCE_SCATTER]
+        },
         "table": trace.table(),
     }
 
@@ -64,7 +69,9 @@ def test_spans_hold_the_analytic_bytes_in_order(ranks, tmp_path):
         ("forward", "blocks.1", b["blocks.1"]), ("backward", "blocks.1", b["blocks.1"]),
         ("backward", "blocks.0", b["blocks.0"]),
     ]
-    assert result["reductions"] == [("blocks.1", b["blocks.1"]), ("blocks.0", b["blocks.0"]), ("", b[""])]
+    assert result["reductions"] == [
+        ("blocks.1", b["blocks.1"]), ("blocks.0", b["blocks.0"]), ("", b[""])
+    ]
     assert result["forward computes"] == ["", "blocks.0", "blocks.1"]
     assert "blocks.1" in result["table"] and "not hidden by compute" in result["table"]
     # The Chrome trace: rank lanes, and one event per collective each rank issued.
@@ -73,7 +80,8 @@ def test_spans_hold_the_analytic_bytes_in_order(ranks, tmp_path):
         lanes = {e["args"]["name"]: e["tid"] for e in events
                  if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == rank}
         for kind, op in (("all-gather", ALL_GATHER), ("reduce-scatter", REDUCE_SCATTER)):
-            issued = [e for e in events if e["ph"] == "X" and e["pid"] == rank and e["tid"] == lanes[kind]]
+            issued = [e for e in events
+                      if e["ph"] == "X" and e["pid"] == rank and e["tid"] == lanes[kind]]
             assert len(issued) == result["counted"][op], kind
     assert any(e["ph"] == "C" and e["name"] == "memory" for e in events)
 
@@ -158,7 +166,9 @@ def check_parameters_on_two_meshes() -> tuple[list[tuple[str, str, int]], dict[s
         lm_loss(model, token_batch(1, 4)).backward()
     spans = [(s.unit, s.kind, s.nbytes) for s in sorted(trace.spans, key=lambda s: s.start)
              if s.kind != "compute"]
-    return spans, {ALL_GATHER: counter.counts[ALL_GATHER], REDUCE_SCATTER: counter.counts[REDUCE_SCATTER]}
+    return spans, {
+        ALL_GATHER: counter.counts[ALL_GATHER], REDUCE_SCATTER: counter.counts[REDUCE_SCATTER]
+    }
 
 
 @needs_shard_placement_result
@@ -203,5 +213,7 @@ def test_a_trace_under_accumulation_shows_each_backward_and_only_the_reductions_
     assert result["backwards"] == sorted((u, 1) for u in units for _ in range(2)), result
     assert result["first backwards end before the second forward"], result
     assert result["reductions"] == sorted(units), result  # the synced micro-batch's only
-    assert result["root own ms"] is not None and result["root own ms"] < result["root span ms"], result
+    assert (
+        result["root own ms"] is not None and result["root own ms"] < result["root span ms"]
+    ), result
     assert "compute: each unit's own" in result["table"]

@@ -23,12 +23,21 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.testing._internal.two_tensor import TwoTensor
 
 from fsdp_compose import (
-    FSDPModule, UnmanagedParametersWarning, fully_shard, register_fsdp_forward_method,
-)
-from tests.dist.parity import (
-    assert_close_to, backward, max_diff, max_diff_to, optimizer_step, per_block, rank_share,
+    FSDPModule,
+    UnmanagedParametersWarning,
+    fully_shard,
+    register_fsdp_forward_method,
 )
 from tests.dist.counting import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
+from tests.dist.parity import (
+    assert_close_to,
+    backward,
+    max_diff,
+    max_diff_to,
+    optimizer_step,
+    per_block,
+    rank_share,
+)
 from tests.models import MLP, Transformer, feature_batch, lm_loss, mse_loss, token_batch
 
 
@@ -108,7 +117,9 @@ def check_tensor_parallel_with_int_refused() -> list[tuple[str, str]]:
     mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp"))
     model = tp_linear(mesh)
     before = [(type(p), p.placements) for p in model.parameters()]
-    at_annotation = messages_of(lambda: fully_shard(model, mesh=mesh["dp"], reshard_after_forward=2))
+    at_annotation = messages_of(
+        lambda: fully_shard(model, mesh=mesh["dp"], reshard_after_forward=2)
+    )
     assert [(type(p), p.placements) for p in model.parameters()] == before  # untouched
     assert not isinstance(model, FSDPModule)
     fully_shard(model[0], mesh=mesh["dp"])
@@ -126,7 +137,9 @@ def test_tensor_parallel_with_a_smaller_post_forward_group_is_refused(ranks):
     assert kind == "NotImplementedError"
     assert at_annotation.startswith("fully_shard(Sequential): reshard_after_forward=<int>")
     assert "tensor-parallel parameter '0.weight'" in at_annotation
-    assert by_setter.startswith("FSDPSequential.set_reshard_after_forward: reshard_after_forward=<int>")
+    assert by_setter.startswith(
+        "FSDPSequential.set_reshard_after_forward: reshard_after_forward=<int>"
+    )
     assert "pass reshard_after_forward=True or False" in by_setter
 
 
@@ -143,7 +156,9 @@ def check_smaller_group_on_a_dim_of_a_larger_mesh() -> tuple[float, Counter]:
     models = {value: Transformer() for value in (2, True)}
     models[True].load_state_dict(models[2].state_dict())
     for value, model in models.items():
-        per_block(model, lambda m, **kw: fully_shard(m, mesh=dp, reshard_after_forward=value))
+        per_block(
+            model, lambda m, value=value, **kw: fully_shard(m, mesh=dp, reshard_after_forward=value)
+        )
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models.values()]
     worst = 0.0
     share = token_batch(dist.get_rank() // 2, 2)  # each dp rank its own

@@ -13,7 +13,11 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose import (
-    CPUOffloadPolicy, Int8RowCodec, fully_shard, iter_full_state_dict, load_full_state_dict,
+    CPUOffloadPolicy,
+    Int8RowCodec,
+    fully_shard,
+    iter_full_state_dict,
+    load_full_state_dict,
 )
 from tests.dist.counting import ALL_GATHER, CollectiveCounter
 from tests.dist.parity import make_mesh, per_block
@@ -48,7 +52,11 @@ def build(layout: str) -> tuple[nn.Module, int]:
     kwargs: dict = {
         "HSDP": lambda: {"mesh": make_mesh((2, 2))},
         "CPU offload": lambda: {"offload_policy": CPUOffloadPolicy(pin_memory=False)},
-        "dim-1 shards": lambda: {"shard_placement_fn": lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % 4 == 0 else None},
+        "dim-1 shards": lambda: {
+            "shard_placement_fn": lambda p: (
+                Shard(1) if p.ndim == 2 and p.shape[1] % 4 == 0 else None
+            )
+        },
     }.get(layout, dict)()
     model = Transformer(tie_weights=layout == "tied")
     per_block(model, fully_shard, **kwargs)
@@ -80,13 +88,17 @@ def gathers(run) -> int:
 
 def check_iter_full_state_dict(layout: str) -> dict[str, object]:
     model, units = build(layout)
-    expected = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
+    expected = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v)
+        for k, v in model.state_dict().items()
+    }
     items: list = []
     count = gathers(lambda: items.extend(iter_full_state_dict(model)))
     names = [name for name, _ in items]
     # A tensor-parallel parameter sharded over its TP mesh is gathered there too (replicated: not).
-    tp_params = sum(p.device_mesh.ndim == 2 and p.placements[-1].is_shard() for p in model.parameters()) \
-        if layout == "tensor parallel" else 0
+    tp_params = sum(
+        p.device_mesh.ndim == 2 and p.placements[-1].is_shard() for p in model.parameters()
+    ) if layout == "tensor parallel" else 0
     cast = dict(iter_full_state_dict(model, dtype=torch.bfloat16))
     return {
         "names": sorted(names) == sorted(expected) and len(names) == len(set(names)),
@@ -147,7 +159,8 @@ def check_loading_whole_tensors_from_another_model(layout: str) -> dict[str, obj
 @pytest.mark.parametrize("layout", ["even and uneven rows", "HSDP", "tensor parallel"])
 def test_whole_tensors_load_into_a_sharded_model_and_a_mismatch_changes_nothing(ranks, layout):
     world = 4 if layout in ("HSDP", "tensor parallel") else 2
-    results = ranks.run(check_loading_whole_tensors_from_another_model, layout=layout, world_size=world)
+    check = check_loading_whole_tensors_from_another_model
+    results = ranks.run(check, layout=layout, world_size=world)
     assert len({r["error"] for r in results}) == 1, results
     for result in results:
         assert result["equal"] and result["unchanged"], result

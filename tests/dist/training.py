@@ -8,7 +8,12 @@ from torch import nn
 
 from fsdp_compose import fully_shard
 from tests.dist.parity import (
-    assert_close_to, backward, full, optimizer_step, per_block, rank_share,
+    assert_close_to,
+    backward,
+    full,
+    optimizer_step,
+    per_block,
+    rank_share,
 )
 from tests.models import Transformer, lm_loss, token_batch
 
