@@ -52,8 +52,9 @@ def _other_mesh(where: str, info: Any, mesh: UnitMesh, reshard: bool | int | Non
     if (spmd_mesh is None or dims is None) != (mesh.spmd is None):
         raise ValueError(
             f"{where} returned a ShardPlacementResult whose mesh_info "
-            f"{'lacks' if mesh.spmd else 'has'} dp_mesh_dims and spmd_mesh, unlike fully_shard's "
-            "call: give them exactly when fully_shard gets dp_mesh_dims.")
+            f"{'has' if dims is not None else 'has no'} dp_mesh_dims, while the unit is sharded "
+            f"with {'a plain data-parallel mesh' if mesh.spmd is None else 'dp_mesh_dims'}: "
+            "give mesh infos dp_mesh_dims and the SPMD mesh exactly when fully_shard gets them.")
     own_mesh, dims = (info.mesh, None) if mesh.spmd is None else (info.spmd_mesh, dims)
     check_mesh(where, own_mesh, dims, reshard)
     return unit_mesh(own_mesh, reshard, dims)
