@@ -44,7 +44,8 @@ class ReentrantTransformer(Transformer):
 
 
 class ReentrantTwiceTransformer(Transformer):
-    """Each block called twice, on two branches, under one reentrant checkpoint."""
+    """Each block called twice, on two branches, under one reentrant checkpoint; backward's
+    recomputations call the last block (late binding, on purpose: see forward)."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(tokens) + self.pos_emb[: tokens.shape[1]]
