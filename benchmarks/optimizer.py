@@ -15,7 +15,6 @@ import harness
 import report
 import torch
 import torch.distributed as dist
-from models import Block
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -30,31 +29,23 @@ WORLD = 8
 
 def sharded(name: str, policy: str, dim: int, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(*(Block(dim) for _ in range(8))).to(device)
+    model = nn.Sequential(*(harness.Block(dim) for _ in range(8))).to(device)
     harness.shard(model, model, name, mp_policy=harness.policy(name, *POLICIES[policy]),
                   mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
     model(torch.randn(4, 16, dim, device=device)).float().pow(2).mean().backward()
     return model
 
 
-def plain_copies(model: nn.Module) -> list[nn.Parameter]:
-    """Ordinary tensors holding the model's local shards and their gradients."""
-    params = [nn.Parameter(p.to_local().detach().clone()) for p in model.parameters()]
-    for copy, p in zip(params, model.parameters()):
-        copy.grad = p.grad.to_local().detach().clone()
-    return params
-
-
 def by_variant(dim: int, policy: str, device: torch.device, args: argparse.Namespace,
                sync: Callable[[], object]) -> dict[str, dict[str, float]]:
     """ms per step of each contender, for-loop, foreach and fused AdamW."""
     models = {name: sharded(name, policy, dim, device) for name in ("fsdp_compose", "FSDP2")}
-    params = {**{name: list(m.parameters()) for name, m in models.items()},
-              "plain": plain_copies(models["fsdp_compose"])}
+    params = {name: list(m.parameters()) for name, m in models.items()}
+    params["plain"] = [nn.Parameter(p.to_local().detach().clone()) for p in params["fsdp_compose"]]
+    for copy, p in zip(params["plain"], params["fsdp_compose"]):  # ordinary tensors, same shards
+        copy.grad = p.grad.to_local().detach().clone()
     results = {}
     for variant, options in VARIANTS.items():
-        if variant == "fused" and device.type == "cpu" and not hasattr(torch, "_fused_adamw_"):
-            continue
         optims = {name: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, **options)
                   for name, ps in params.items()}
         runs = {name: (lambda o=o: [o.step() for _ in range(args.calls)])

@@ -1,5 +1,6 @@
 """CPU overhead per unit of fsdp_compose and torch's fully_shard, in one process: a step's
-time minus the unsharded model's, per unit, and the part inside the process group's calls.
+time minus the unsharded model's, per unit, and the part inside the process group's calls;
+beside them the same work written out by hand (HandShardedUnit), the design's own cost.
 
     python benchmarks/overhead.py                # W=8 fake ranks, 64 Linear(64, 64) units
     python benchmarks/overhead.py --backend gloo # one real gloo rank: no communication
@@ -18,11 +19,10 @@ from contextlib import contextmanager
 import harness
 import torch
 import torch.distributed as dist
-from handwritten import shard_by_hand
-from models import Block
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from fsdp_compose import StepTrace
 from fsdp_compose.comm.compat import ALL_GATHER_METHOD, REDUCE_SCATTER_METHOD
@@ -32,6 +32,147 @@ from fsdp_compose.comm.compat import ALL_GATHER_METHOD, REDUCE_SCATTER_METHOD
 DEFAULTS = {"linear": {"units": 64, "batch": 8}, "transformer": {"units": 16, "batch": 4}}
 RUNTIMES = {"unsharded": None, "torch fully_shard": "FSDP2", "fsdp_compose": "fsdp_compose",
             "after a StepTrace": "fsdp_compose", "by hand": "by hand"}
+_GATHER = AllgatherOptions()
+_AVERAGE = dist.ReduceScatterOptions()
+_AVERAGE.reduceOp = dist.ReduceOp.AVG
+
+
+def _shard(p: torch.Tensor, ranks: int, rank: int, piece: torch.Tensor) -> nn.Parameter:
+    """`rank`'s torch.chunk piece of `p` written into `piece` (its padded shard, zero past the
+    piece), as a parameter viewing it."""
+    rows = -(-p.shape[0] // ranks)
+    local = p.detach()[rank * rows:(rank + 1) * rows]
+    piece.zero_()
+    piece[:local.numel()].copy_(local.reshape(-1))
+    return nn.Parameter(piece[:local.numel()].view(local.shape))
+
+
+class HandShardedUnit:
+    """The per-unit work of fully_shard by hand, nothing else (the design's own cost), on the
+    parameters of `module`, as a unit of fsdp_compose on the CPU: padded shards back to back
+    in one flat tensor, one all-gather into a reused buffer, one `split_with_sizes_copy` into
+    unsharded parameters viewing one storage; after the last gradient, one `_chunk_cat` and one
+    averaging reduce-scatter added to the shards' `.grad`. Left out is all a runtime is for:
+    DTensors, checks, a root, prefetch, mixed precision, meshes, errors, state."""
+
+    def __init__(self, module: nn.Module) -> None:
+        group = dist.group.WORLD
+        self.group, self.ranks, rank = group, group.size(), group.rank()
+        owned = [(m._parameters, n, p) for m in module.modules()
+                 for n, p in m._parameters.items() if p is not None]
+        self.count = len(owned)
+        # Each parameter's padded shard: ceil(rows / ranks) rows, as both runtimes pad.
+        self.sizes = [-(-p.shape[0] // self.ranks) * p[0].numel() for _, _, p in owned]
+        self.flat = torch.empty(sum(self.sizes))  # this rank's shards: what is sent
+        self.shards = list(self.flat.split(self.sizes))
+        sharded = [_shard(p, self.ranks, rank, s) for (_, _, p), s in zip(owned, self.shards)]
+        if self.ranks == 1:  # the shards are the unsharded data: nothing to gather or free
+            unsharded_data, self.outputs, self.storage = self.shards, [], None
+        else:
+            storage = torch.empty(self.ranks * self.flat.numel())
+            unsharded_data = storage.split([self.ranks * size for size in self.sizes])
+            # Through .data, which has its own version counter: the copy-out must not bump
+            # the one autograd checks on the unsharded parameters it saved. Each output is
+            # a parameter's rows, one per rank, as the gathered rows hold its shards.
+            self.outputs = [data.view(self.ranks, size) for data, size in zip(
+                storage.data.split([self.ranks * size for size in self.sizes]), self.sizes)]
+            self.storage, self.nbytes = storage.untyped_storage(), storage.nbytes
+            # The all-gather's buffer (row r: rank r's flat shard), allocated per gather.
+            self.gathered = torch.empty(self.ranks * self.flat.numel())
+            self.rows = self.gathered.view(self.ranks, -1)
+            self.gathered_storage = self.gathered.untyped_storage()
+            self.gathered_nbytes = self.gathered.nbytes
+            self.gathered_storage.resize_(0)
+        unsharded = [nn.Parameter(data[:p.numel()].view(p.shape))
+                     for data, (_, _, p) in zip(unsharded_data, owned)]
+        self.forms = self._by_owner(owned, sharded, unsharded)
+        self.sharded, self.unsharded = sharded, unsharded
+        self.grads_pending = 0
+        self.grad_views: list[torch.Tensor] = []  # see add_to_grads
+        offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]  # in the reduced shards
+        self.grad_geometry = [(s.shape, s.stride(), o) for s, o in zip(sharded, offsets)]
+        for param in unsharded:
+            param.register_post_accumulate_grad_hook(self.grad_accumulated)
+        self.reshard()
+        module.register_forward_pre_hook(self.pre_forward)
+        module.register_forward_hook(self.post_forward)
+
+    @staticmethod
+    def _by_owner(owned: list, sharded: list, unsharded: list) -> list:
+        """(owner's _parameters, sharded by name, unsharded by name): one dict update each."""
+        forms: dict[int, tuple] = {}
+        for (parameters, name, _), s, u in zip(owned, sharded, unsharded):
+            _, s_by_name, u_by_name = forms.setdefault(id(parameters), (parameters, {}, {}))
+            s_by_name[name], u_by_name[name] = s, u
+        return list(forms.values())
+
+    def unshard(self) -> None:
+        if self.storage is not None:
+            self.gathered_storage.resize_(self.gathered_nbytes)
+            getattr(self.group, ALL_GATHER_METHOD)(self.gathered, self.flat, _GATHER).wait()
+            self.storage.resize_(self.nbytes)
+            torch.split_with_sizes_copy(self.rows, self.sizes, dim=1, out=self.outputs)
+            self.gathered_storage.resize_(0)
+        for parameters, _, unsharded in self.forms:
+            parameters.update(unsharded)
+
+    def reshard(self) -> None:
+        for parameters, sharded, _ in self.forms:
+            parameters.update(sharded)
+        if self.storage is not None:
+            self.storage.resize_(0)
+
+    def pre_forward(self, module: nn.Module, args: object) -> None:
+        self.unshard()
+
+    def post_forward(self, module: nn.Module, args: object, output: torch.Tensor) -> None:
+        self.reshard()
+        output.grad_fn.register_prehook(self.pre_backward)
+
+    def pre_backward(self, grads: object) -> None:
+        self.grads_pending = self.count
+        self.unshard()
+
+    def grad_accumulated(self, _param: nn.Parameter) -> None:
+        self.grads_pending -= 1
+        if self.grads_pending:
+            return
+        grads = []
+        for param in self.unsharded:
+            grads.append(param.grad)
+            param.grad = None
+        if self.ranks == 1:  # as fsdp_compose: each gradient is its own reduced shard
+            for shard, grad in zip(self.sharded, grads):
+                if shard.grad is None:
+                    shard.grad = grad
+                else:
+                    shard.grad.add_(grad)
+            self.reshard()
+            return
+        rows = torch._chunk_cat(grads, dim=0, num_chunks=self.ranks)  # row r: rank r's
+        reduced = rows.new_empty(self.flat.numel())
+        getattr(self.group, REDUCE_SCATTER_METHOD)(reduced, rows.view(-1), _AVERAGE).wait()
+        self.add_to_grads(reduced)
+        self.reshard()
+
+    def add_to_grads(self, reduced: torch.Tensor) -> None:
+        """Add the reduced shards (padded, back to back) to the shards' `.grad`s: with one op
+        while those are the views of an earlier `reduced` that this made them (gradient
+        accumulation, as fsdp_compose's ledger does), else each on its own."""
+        if self.grad_views and all(s.grad is g for s, g in zip(self.sharded, self.grad_views[1:])):
+            self.grad_views[0].add_(reduced)
+            return
+        views = [reduced]
+        for shard, (shape, stride, offset) in zip(self.sharded, self.grad_geometry):
+            grad = reduced.as_strided(shape, stride, offset)  # one view op for three
+            views.append(grad)
+            if shard.grad is None:
+                shard.grad = grad
+            else:
+                shard.grad.add_(grad)
+        # Kept only when every .grad is now a view of `reduced` (all were None).
+        fresh = all(s.grad is g for s, g in zip(self.sharded, views[1:]))
+        self.grad_views = views if fresh else []
 
 
 class Contender:
@@ -40,9 +181,10 @@ class Contender:
     def __init__(self, args: argparse.Namespace, runtime: str | None) -> None:
         torch.manual_seed(0)
         self.model = nn.Sequential(*(nn.Linear(args.dim, args.dim) if args.block == "linear"
-                                     else Block(args.dim) for _ in range(args.units)))
+                                     else harness.Block(args.dim) for _ in range(args.units)))
         if runtime == "by hand":
-            shard_by_hand(self.model)
+            for layer in self.model:  # each unit's hooks keep it alive
+                HandShardedUnit(layer)
         elif runtime is not None:
             harness.shard(self.model, self.model, runtime,
                           mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
@@ -83,16 +225,7 @@ def collective_clock():
 
 
 def check_by_hand(args: argparse.Namespace, x: torch.Tensor) -> None:
-    """The hand-written units compute fsdp_compose's gradient shards, to the last bit. Only
-    where the fake group's reduce-scatter writes its output (from torch 2.13; before, the
-    gradients hold whatever memory held)."""
-    if args.backend == "fake":
-        output = torch.full((1,), -1.0)
-        getattr(dist.group.WORLD, REDUCE_SCATTER_METHOD)(  # as the runtimes call it
-            output, torch.zeros(dist.get_world_size()), dist.ReduceScatterOptions()).wait()
-        if output.item() != 0.0:
-            print("(the work by hand is not checked: this torch's fake group reduces nothing)")
-            return
+    """The hand-written units compute fsdp_compose's gradient shards, to the last bit."""
     ours, by_hand = Contender(args, "fsdp_compose").model, Contender(args, "by hand").model
     for model in (ours, by_hand):
         for _ in range(2):  # the second adds to the first's .grad

@@ -33,8 +33,7 @@ SAVE, DCP, LOOP = "save_full_state_dict", "DCP full state dict", "out: full_tens
 
 
 def table(header: list[str], align: str, rows: list[list]) -> str:
-    """A markdown table; `align`, a character per column: l(eft), r(ight) or c(entre). A cell
-    None is "–", an int has thousands separators."""
+    """`align`: l, r or c per column; a cell None shows "–", an int thousands separators."""
     rule = {"l": "---", "r": "---:", "c": ":---:"}
     rows = [["–" if c is None else f"{c:,}" if isinstance(c, int) else c for c in row]
             for row in rows]
@@ -51,7 +50,6 @@ def us(x: float) -> str:
 
 
 def provenance(config: dict) -> str:
-    """When, with what, on what: from the config a benchmark recorded."""
     machine, date = config["machine"], datetime.fromisoformat(config["date"])
     gpu = f"{machine['gpu']}, " if machine["gpu"] else ""
     return (f"{date:%Y-%m-%d %H:%M} UTC, torch {config['torch']}, Python {config['python']}, "
@@ -63,7 +61,6 @@ def code(*lines: str) -> str:
 
 
 def command(prefix: str, config: dict, comment: str) -> str:
-    """`prefix` with the arguments the run was given, and a comment."""
     return f"{prefix} {' '.join(config.get('argv', []))}".rstrip().ljust(48) + f" # {comment}"
 
 
@@ -78,8 +75,8 @@ def at_floor(comm: dict, floor: dict) -> bool:
                               ("all_gather", "reduce_scatter")} for what in ("calls", "bytes"))
 
 
-# The training step (benchmarks/step.py). Columns only some runs have: host time is newer
-# than the first results, MFU and hidden communication are measured on GPUs only.
+# The training step's columns that only GPU runs have (MFU, hidden communication) are left out
+# where the result has none.
 EXTRA = (("host_seconds", "host ms", lambda s: f"{s * 1e3:.1f}"), ("mfu", "MFU", "{:.3f}".format),
          ("hidden_communication", "comm. hidden", "{:.3f}".format),
          ("max_loss_difference_vs_fsdp2", "loss vs FSDP2", "{:.3g}".format))
@@ -112,7 +109,6 @@ def bytes_table(result: dict) -> str:
 
 
 def copies_table(result: dict) -> str:
-    """Bytes copied by op, per contender and the model's own, against the FSDP floors."""
     copies, floor = result["copies"], result["analytic"]
     own = copies["model"]["total_bytes"]
     kinds = sorted({kind for counted in copies.values() for kind in counted["bytes"]})
@@ -134,7 +130,7 @@ def step_section(result: dict, figure: str | None) -> list[str]:
     copies = result.get("copies")
     return [
         "## Training step",
-        ("The Llama of `benchmarks/models.py`" if config.get("model") == "llama" else
+        ("The Llama of `benchmarks/harness.py`" if config.get("model") == "llama" else
          "The GPT of `examples/train_gpt.py`") + f" ({config['depth']} blocks, dim "
         f"{config['dim']}, seq {config['seq']}, batch {config['batch']} per rank, AdamW"
         + (", bfloat16 mixed precision (autocast for DDP and the floor)"
@@ -175,8 +171,7 @@ def step_section(result: dict, figure: str | None) -> list[str]:
 
 
 def plot_step(result: dict, path: Path) -> bool:
-    """Median step times and peak memory per rank by category, against the analytic bound.
-    False, writing nothing, without matplotlib."""
+    """The step times and peak memory by category; False, writing nothing, without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -231,10 +226,11 @@ def overhead_section(results: dict) -> list[str]:
             "unit per forward + backward (step time minus the unsharded model's, per unit) in one "
             "process, and the part of it inside the process group's all-gather and "
             "reduce-scatter calls, timed in separate rounds. \"by hand\" is a unit's work and "
-            "nothing else (`benchmarks/handwritten.py`: the same all-gathers and copy-out, hooks, "
-            "`_chunk_cat` and reduce-scatter, its gradients checked equal to fsdp_compose's), "
-            "about the least a runtime of this design can cost. The fake group still copies every "
-            "rank's shard into the gathered output; the one-rank gloo group communicates nothing:",
+            "nothing else (`benchmarks/overhead.py`'s `HandShardedUnit`: the same all-gathers and "
+            "copy-out, hooks, `_chunk_cat` and reduce-scatter, its gradients checked equal to "
+            "fsdp_compose's), about the least a runtime of this design can cost. The fake group "
+            "still copies every rank's shard into the gathered output; the one-rank gloo group "
+            "communicates nothing:",
             code(*(command("python benchmarks/overhead.py", r["config"], comment)
                    for r, comment, _ in runs)),
             " ".join(f"{title}: median of {r['config']['repeats']} rounds of "

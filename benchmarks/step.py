@@ -16,7 +16,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import harness
@@ -24,7 +23,6 @@ import report
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from models import Llama
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
@@ -41,7 +39,7 @@ from train_gpt import GPT, counting_batch, init_distributed
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 CONTENDERS, SHARDED = report.CONTENDERS, report.SHARDED
-MODELS = {"gpt": GPT, "llama": Llama}
+MODELS = {"gpt": GPT, "llama": harness.Llama}
 LR = 3e-3
 COLLECTIVES = {"c10d::_allgather_base_": "all_gather", "c10d::allreduce_": "all_reduce",
                "c10d::_reduce_scatter_base_": "reduce_scatter",
@@ -127,11 +125,6 @@ class CopyCounter(Counter):
         return "mul.out" if name == "aten::mul" and "out" in kwargs else COPIES.get(name)
 
 
-def ddp_bytes(model: nn.Module) -> dict[str, int]:
-    """DDP all-reduces every gradient once per step, from C++ (not seen at dispatch)."""
-    return {"all_reduce": sum(p.numel() * p.element_size() for p in model.parameters())}
-
-
 def analytic(args: argparse.Namespace, plain: nn.Module, floor_peak: dict[str, int]) -> dict:
     """The floors: bytes each collective must carry, bytes copied outside them, and the memory
     bound, whose activations and temporaries are the floor's at its peak (`floor_peak`).
@@ -158,7 +151,7 @@ def analytic(args: argparse.Namespace, plain: nn.Module, floor_peak: dict[str, i
     return {
         "all_gather_bytes": all_gather, "reduce_scatter_bytes": reduce_scatter,
         "all_gather_calls": 2 * len(blocks) + 1, "reduce_scatter_calls": len(blocks) + 1,
-        "ddp_all_reduce_bytes": ddp_bytes(plain)["all_reduce"],
+        "ddp_all_reduce_bytes": sum(p.nbytes for p in plain.parameters()),
         # Sharded parameters, gradients and AdamW's 2 moments, the root, the largest block
         # computing with its gradient and the next prefetched (under mixed precision also its
         # gradient cast for the reduction), and the floor's working memory.
@@ -169,14 +162,6 @@ def analytic(args: argparse.Namespace, plain: nn.Module, floor_peak: dict[str, i
         "copy_grad_cast_bytes": grad_cast, "copy_bytes": param_cast + grad_cast,
         "copy_one_reduce_scatter_bytes": param_cast + reduce_scatter,
     }
-
-
-def mfu(args: argparse.Namespace, params: int, median: dict[str, float]) -> dict[str, float]:
-    """Per contender, a step's FLOPs over its median time as a fraction of --peak-tflops: 6
-    per parameter and token plus attention's 12 per layer, dim, position and token."""
-    tokens = args.batch * args.seq
-    flops = 6 * params * tokens + 12 * args.depth * args.dim * args.seq * tokens
-    return {n: flops / t / (args.peak_tflops * 1e12) for n, t in median.items()}
 
 
 def hidden_communication(step: Callable[[], object]) -> float:
@@ -337,7 +322,8 @@ def loss_parity(args: argparse.Namespace, device: torch.device) -> dict:
                 losses[run_name] = [mean_loss(c.step(batch(args, step, device)))
                                     for step in range(args.parity_steps)]
             del c
-            release_memory(device)
+            gc.collect()
+            torch.cuda.empty_cache()  # nothing without CUDA
     finally:
         torch.use_deterministic_algorithms(deterministic)
     reference = losses["FSDP2"]
@@ -348,22 +334,6 @@ def loss_parity(args: argparse.Namespace, device: torch.device) -> dict:
             "loss_falls": bool(reference) and reference[-1] < reference[0]}
 
 
-def release_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def model_copies(args: argparse.Namespace, device: torch.device, tokens: torch.Tensor) -> dict:
-    """The copies the model makes itself in the FSDPs' compute dtype (a bfloat16 RMSNorm
-    computes in float32, the loss copies its targets): what a contender copies beyond them
-    is its runtime's (or autocast's)."""
-    plain = build("floor", args, device).to(torch.bfloat16 if args.mixed_precision else args.dtype)
-    with CopyCounter(plain) as copied:
-        train_step(plain, torch.optim.SGD(plain.parameters()), tokens)
-    return copied.result()
-
-
 def run(args: argparse.Namespace, device: torch.device) -> dict:
     contenders = {name: Contender(name, args, device) for name in CONTENDERS}
     step, host, losses = timed_rounds(args, contenders, device)
@@ -372,24 +342,32 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     for name, c in contenders.items():  # a step's collectives and copies outside them
         with CollectiveCounter() as sent, CopyCounter(c.model) as copied:
             c.step(tokens)
-        comm[name] = {"calls": sent.calls, "bytes": sent.bytes} if name != "DDP" else \
-            {"calls": {}, "bytes": ddp_bytes(c.model)}  # DDP all-reduces from C++, unseen
+        # DDP all-reduces every gradient once, from C++: unseen at dispatch.
+        comm[name] = {"calls": sent.calls, "bytes": sent.bytes} if name != "DDP" else {
+            "calls": {}, "bytes": {"all_reduce": sum(p.nbytes for p in c.model.parameters())}}
         copies[name] = copied.result()
-    copies["model"] = model_copies(args, device, tokens)
+    # The model's own copies in the FSDPs' compute dtype (a bfloat16 RMSNorm computes in
+    # float32, the loss copies its targets): a contender's beyond them are its runtime's.
+    plain = build("floor", args, device).to(torch.bfloat16 if args.mixed_precision else args.dtype)
+    with CopyCounter(plain) as copied:
+        train_step(plain, torch.optim.SGD(plain.parameters()), tokens)
+    copies["model"] = copied.result()
     memory = {name: measure_memory(c.model, c.optim, tokens, c.autocast)
               for name, c in contenders.items()}
     median = {name: statistics.median(t) for name, t in step.items()}
     hidden = utilisation = None
     if device.type == "cuda":
-        hidden = {n: hidden_communication(partial(contenders[n].step, tokens))
+        hidden = {n: hidden_communication(lambda c=contenders[n]: c.step(tokens))
                   for n in CONTENDERS[:3]}
-        if args.peak_tflops is not None:
-            with torch.device("meta"):
+        if args.peak_tflops is not None:  # FLOPs: 6 per parameter and token, attention's 12
+            with torch.device("meta"):  # per layer, dim, position and token
                 params = sum(p.numel() for p in make_model(args).parameters())
-            utilisation = mfu(args, params, median)
+            flops = args.batch * args.seq * (6 * params + 12 * args.depth * args.dim * args.seq)
+            utilisation = {n: flops / t / (args.peak_tflops * 1e12) for n, t in median.items()}
     floor = analytic(args, contenders["floor"].model, memory["floor"])
     del contenders  # the parity runs build their own, one at a time
-    release_memory(device)
+    gc.collect()
+    torch.cuda.empty_cache()
     return {
         "config": harness.config(args, device, world_size=dist.get_world_size(),
                                  device=str(device), backend=dist.get_backend()),
@@ -412,10 +390,8 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model, its sizes, its batch and its training (what build, batch and train_step
-    read)."""
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt",
-                        help="the GPT of examples/train_gpt.py or the Llama of models.py")
+                        help="the GPT of examples/train_gpt.py or the Llama of harness.py")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     for name, default in (("seq", 64), ("vocab", 256), ("dim", 128), ("heads", 4), ("depth", 8)):
         parser.add_argument(f"--{name}", type=int, default=default)
