@@ -64,13 +64,10 @@ def run_tests(out: Path, machine: str, timeout: float) -> dict:
                   out / "tests.log", timeout, env=env)
     outcomes = {}
     for case in ElementTree.parse(junit).getroot().iter("testcase") if junit.exists() else []:
-        outcome = "passed"
-        for child in case:
-            if child.tag in ("failure", "error"):
-                outcome = "failed" if child.tag == "failure" else "error"
-            elif child.tag == "skipped":
-                outcome = f"skipped: {child.get('message', '')}"
-        outcomes[f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"] = outcome
+        tags = {child.tag: child.get("message", "") for child in case}
+        outcomes[f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"] = (
+            "failed" if "failure" in tags else "error" if "error" in tags
+            else f"skipped: {tags['skipped']}" if "skipped" in tags else "passed")
     return {"seconds": time.perf_counter() - start, "exit_code": code, "outcomes": outcomes}
 
 
