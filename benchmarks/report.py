@@ -61,7 +61,12 @@ def code(*lines: str) -> str:
 
 
 def command(prefix: str, config: dict, comment: str) -> str:
-    return f"{prefix} {' '.join(config.get('argv', []))}".rstrip().ljust(48) + f" # {comment}"
+    return f"{prefix} {' '.join(config['argv'])}".rstrip().ljust(48) + f" # {comment}"
+
+
+def section(title: str, prose: str, command: str, run: str, *blocks: str) -> list[str]:
+    """A section as every one goes: its heading, what it measures, the command, the run, tables."""
+    return [f"## {title}", prose, code(command), run, *blocks]
 
 
 def duration(config: dict) -> str:
@@ -84,7 +89,7 @@ EXTRA = (("host_seconds", "host ms", lambda s: f"{s * 1e3:.1f}"), ("mfu", "MFU",
 
 def step_table(result: dict) -> str:
     memory, bound = result["peak_memory"], result["analytic"]["memory_bound"]
-    extra = [column for column in EXTRA if result.get(column[0])]
+    extra = [column for column in EXTRA if result[column[0]]]
     rows = [[name, f"{result['step_seconds'][name] * 1e3:.1f}",
              "**{:.2f}**".format(result["vs_fsdp2"][name]) if name == "fsdp_compose"
              else f"{result['vs_fsdp2'][name]:.2f}", f"{result['vs_floor'][name]:.2f}",
@@ -118,7 +123,7 @@ def copies_table(result: dict) -> str:
             for name in (*CONTENDERS, "model")]
     rows += [[title, *("" for _ in kinds), "", floor[key]] for title, key in (
         ("FSDP floor", "copy_bytes"),
-        ("floor, one reduce-scatter per unit", "copy_one_reduce_scatter_bytes")) if key in floor]
+        ("floor, one reduce-scatter per unit", "copy_one_reduce_scatter_bytes"))]
     return table(["", *(f"`{k}` B" for k in kinds), "total B", "beyond the model's own B"],
                  "l" + "r" * (len(kinds) + 2), rows)
 
@@ -126,24 +131,23 @@ def copies_table(result: dict) -> str:
 def step_section(result: dict, figure: str | None) -> list[str]:
     config, comm, floor = result["config"], result["communication"], result["analytic"]
     world, device, backend = config["world_size"], config["device"], config["backend"]
-    dtype = str(config.get("dtype", "")).removeprefix("torch.").replace("float32", "")
-    copies = result.get("copies")
-    return [
-        "## Training step",
-        ("The Llama of `benchmarks/harness.py`" if config.get("model") == "llama" else
+    dtype = config["dtype"].removeprefix("torch.").replace("float32", "")
+    return section(
+        "Training step",
+        ("The Llama of `benchmarks/harness.py`" if config["model"] == "llama" else
          "The GPT of `examples/train_gpt.py`") + f" ({config['depth']} blocks, dim "
         f"{config['dim']}, seq {config['seq']}, batch {config['batch']} per rank, AdamW"
         + (", bfloat16 mixed precision (autocast for DDP and the floor)"
-           if config.get("mixed_precision") else "")
-        + (f", each block compiled ({config.get('compile_backend', 'inductor')})"
-           if config.get("compile") else "") + ") under fsdp_compose, torch's fully_shard "
-        "(FSDP2), DDP and a single-process floor (the plain model on each rank's batch), "
-        "interleaved in rounds. Peak memory is torch's `MemTracker`'s, against the analytic bound "
-        f"of {kib(floor['memory_bound'])}: sharded parameters, gradients and AdamW state, the "
-        "root, three block-sized buffers and the floor's activations at its peak. \"loss vs "
-        "FSDP2\" is the largest difference from FSDP2's loss over the timed steps:",
-        code(command(f"torchrun --nproc_per_node={world} benchmarks/step.py", config,
-                     f"{device.split(':')[0].upper()}, {backend}: {duration(config)}")),
+           if config["mixed_precision"] else "")
+        + (f", each block compiled ({config['compile_backend']})" if config["compile"] else "")
+        + ") under fsdp_compose, torch's fully_shard (FSDP2), DDP and a single-process floor (the "
+        "plain model on each rank's batch), interleaved in rounds. Peak memory is torch's "
+        f"`MemTracker`'s, against the analytic bound of {kib(floor['memory_bound'])}: sharded "
+        "parameters, gradients and AdamW state, the root, three block-sized buffers and the "
+        "floor's activations at its peak. \"loss vs FSDP2\" is the largest difference from "
+        "FSDP2's loss over the timed steps:",
+        command(f"torchrun --nproc_per_node={world} benchmarks/step.py", config,
+                f"{device.split(':')[0].upper()}, {backend}: {duration(config)}"),
         (f"{world} ranks on {config['machine']['gpu'] or 'GPU'}s ({backend}"
          if device.startswith("cuda") else
          f"{world} ranks on a {config['machine']['cpus']}-core CPU machine ({backend}")
@@ -157,17 +161,17 @@ def step_section(result: dict, figure: str | None) -> list[str]:
         f"fsdp_compose sends {'exactly' if at_floor(comm['fsdp_compose'], floor) else 'not'} the "
         f"floor; FSDP2 {'the same' if comm['FSDP2'] == comm['fsdp_compose'] else 'not'}.",
         bytes_table(result),
-        *(["Bytes copied outside the collectives per step and rank, counted at dispatch by op, "
-           "with the plain model's own copies in the FSDPs' dtype (\"model's own\")"
-           + (", eagerly (dynamo skips frames under a dispatch mode)" if config.get("compile")
-              else "") + ". A zero-copy FSDP copies nothing more (the FSDP floor)"
-           + (f" but mixed precision's casts, of the all-gathers' inputs "
-              f"({floor['copy_param_cast_bytes']:,} B) and the gradients "
-              f"({floor['copy_grad_cast_bytes']:,} B)" if floor["copy_bytes"] else "")
-           + "; one reduce-scatter per unit copies each gradient into its input once.",
-           copies_table(result)] if copies else []),
+        "Bytes copied outside the collectives per step and rank, counted at dispatch by op, with "
+        "the plain model's own copies in the FSDPs' dtype (\"model's own\")"
+        + (", eagerly (dynamo skips frames under a dispatch mode)" if config["compile"] else "")
+        + ". A zero-copy FSDP copies nothing more (the FSDP floor)"
+        + (f" but mixed precision's casts, of the all-gathers' inputs "
+           f"({floor['copy_param_cast_bytes']:,} B) and the gradients "
+           f"({floor['copy_grad_cast_bytes']:,} B)" if floor["copy_bytes"] else "")
+        + "; one reduce-scatter per unit copies each gradient into its input once.",
+        copies_table(result),
         "On a GPU the step table adds MFU (with `--peak-tflops`) and \"comm. hidden\", the share "
-        "of communication time hidden under compute (from the profiler)."]
+        "of communication time hidden under compute (from the profiler).")
 
 
 def plot_step(result: dict, path: Path) -> bool:
@@ -221,42 +225,39 @@ def overhead_section(results: dict) -> list[str]:
                ("in collectives", v, "collectives_us_per_unit", ""),
                ("runtime's own", v, "runtime_us_per_unit", ".2f")] * bool(fake) \
         + [("gloo, 1 rank", gloo and gloo["variants"], "us_per_unit", ".2f")] * bool(gloo)
-    blocks = ["## CPU time per unit",
-            f"{c['units']} × `Linear({c['dim']}, {c['dim']})`, batch {c['batch']}: CPU time per "
-            "unit per forward + backward (step time minus the unsharded model's, per unit) in one "
-            "process, and the part of it inside the process group's all-gather and "
-            "reduce-scatter calls, timed in separate rounds. \"by hand\" is a unit's work and "
-            "nothing else (`benchmarks/overhead.py`'s `HandShardedUnit`: the same all-gathers and "
-            "copy-out, hooks, `_chunk_cat` and reduce-scatter, its gradients checked equal to "
-            "fsdp_compose's), about the least a runtime of this design can cost. The fake group "
-            "still copies every rank's shard into the gathered output; the one-rank gloo group "
-            "communicates nothing:",
-            code(*(command("python benchmarks/overhead.py", r["config"], comment)
-                   for r, comment, _ in runs)),
-            " ".join(f"{title}: median of {r['config']['repeats']} rounds of "
-                     f"{r['config']['steps']} steps ({provenance(r['config'])})."
-                     for r, _, title in runs),
-            overhead_table(columns)]
     calls = [v[n]["calls_per_unit"] for n in ("fsdp_compose", "torch fully_shard")]
-    blocks.append("Both runtimes make the same three calls per unit (an all-gather in forward and "
-                "in backward, a reduce-scatter)." if calls == [3, 3] else f"fsdp_compose makes "
-                f"{calls[0]:g} calls per unit into the process group, FSDP2 {calls[1]:g}.")
+    said = ("Both runtimes make the same three calls per unit (an all-gather in forward and in "
+            "backward, a reduce-scatter)." if calls == [3, 3] else f"fsdp_compose makes "
+            f"{calls[0]:g} calls per unit into the process group, FSDP2 {calls[1]:g}.")
     if fake:
         rounds = [(a - u) / (b - u) for a, b, u in zip(*(
             v[n]["step_samples"] for n in ("fsdp_compose", "torch fully_shard", "unsharded")))]
         r, goal = v["fsdp_compose"]["us_per_unit"] / v["torch fully_shard"]["us_per_unit"], \
             GOAL_US / REFERENCE_FSDP2_US
-        blocks[-1] += (f" Across the {len(rounds)} rounds the ratio on the fake group ranges from "
-                     f"{min(rounds):.3f} to {max(rounds):.3f}.")
-        if "after a StepTrace" in v:
-            blocks[-1] += (" A model that ran a step under a `StepTrace` first costs "
-                         f"{us(v['after a StepTrace']['us_per_unit'])} per unit against "
-                         f"{us(v['fsdp_compose']['us_per_unit'])}: a closed trace leaves "
-                         "nothing behind.")
-        if (c["world_size"], c["units"], c["dim"], c["batch"]) == (8, 64, 64, 8):  # the goal's
-            blocks[-1] += (f" The goal of {GOAL_US:.0f} µs per unit, set where FSDP2 costs "
-                         f"{REFERENCE_FSDP2_US:.0f} µs, is a ratio of {goal:.3f}: fsdp_compose's "
-                         f"{r:.3f} is {'within' if r <= goal else 'above'} it.")
+        said += (f" Across the {len(rounds)} rounds the ratio on the fake group ranges from "
+                 f"{min(rounds):.3f} to {max(rounds):.3f}. A model that ran a step under a "
+                 f"`StepTrace` first costs {us(v['after a StepTrace']['us_per_unit'])} per unit "
+                 f"against {us(v['fsdp_compose']['us_per_unit'])}: a closed trace leaves nothing "
+                 "behind.") + (f" The goal of {GOAL_US:.0f} µs per unit, set where FSDP2 costs "
+                               f"{REFERENCE_FSDP2_US:.0f} µs, is a ratio of {goal:.3f}: "
+                               f"fsdp_compose's {r:.3f} is {'within' if r <= goal else 'above'} "
+                               "it.") * ((c["world_size"], c["units"], c["dim"], c["batch"])
+                                         == (8, 64, 64, 8))  # the goal's setting
+    blocks = section(
+        "CPU time per unit",
+        f"{c['units']} × `Linear({c['dim']}, {c['dim']})`, batch {c['batch']}: CPU time per unit "
+        "per forward + backward (step time minus the unsharded model's, per unit) in one process, "
+        "and the part of it inside the process group's all-gather and reduce-scatter calls, "
+        "timed in separate rounds. \"by hand\" is a unit's work and nothing else "
+        "(`benchmarks/overhead.py`'s `HandShardedUnit`: the same all-gathers and copy-out, hooks, "
+        "`_chunk_cat` and reduce-scatter, its gradients checked equal to fsdp_compose's), about "
+        "the least a runtime of this design can cost. The fake group still copies every rank's "
+        "shard into the gathered output; the one-rank gloo group communicates nothing:",
+        "\n".join(command("python benchmarks/overhead.py", r["config"], comment)
+                  for r, comment, _ in runs),
+        " ".join(f"{title}: median of {r['config']['repeats']} rounds of {r['config']['steps']} "
+                 f"steps ({provenance(r['config'])})." for r, _, title in runs),
+        overhead_table(columns), said)
     more = [r for key, r in results.items() if key not in ("fake", "gloo")]
     return blocks + ([
         "A real model's units hold more parameters than a Linear's two: pre-norm transformer "
@@ -287,9 +288,9 @@ def scale_table(worlds: list[dict]) -> str:
 def scale_section(data: dict) -> list[str]:
     config, sizes = data["config"], [r["world_size"] for r in data["worlds"]]
     spread = max((max(abs(s / statistics.median(t) - 1) for s in t) for t in
-                  data["worlds"][-1].get("step_samples", {}).values() if len(t) > 1), default=0)
-    return [
-        "## Scale",
+                  data["worlds"][-1]["step_samples"].values() if len(t) > 1), default=0)
+    return section(
+        "Scale",
         f"The same GPT at W = {', '.join(map(str, sizes))} ranks, one rank of each simulated in "
         "one process on the fake process group: peak memory per rank of both runtimes against "
         "the analytic bound, bytes per step (a buffer each; a ring sends (W-1)/W of it per rank) "
@@ -298,12 +299,12 @@ def scale_section(data: dict) -> list[str]:
         "their median). Every parameter is padded to W shards on dim 0: once W passes a "
         "dimension each rank keeps a padded row of it, and the shards stop shrinking. "
         "`--worlds`, `--rank` and the model's sizes are options:",
-        code(command("python benchmarks/scale.py", config,
-                     f"W = {', '.join(map(str, sizes))}: {duration(config)}")),
+        command("python benchmarks/scale.py", config,
+                f"W = {', '.join(map(str, sizes))}: {duration(config)}"),
         f"GPT of {config['depth']} blocks, dim {config['dim']}, seq {config['seq']}, batch "
         f"{config['batch']}, largest dimension {config['largest_rows']} rows; rank "
         f"{config['rank']}, median of {config['steps']} steps per size ({provenance(config)}):",
-        scale_table(data["worlds"])]
+        scale_table(data["worlds"]))
 
 
 OPTIMIZED = ("fsdp_compose", "FSDP2", "plain")
@@ -325,8 +326,8 @@ def optimizer_table(result: dict) -> str:
 
 
 def optimizer_section(result: dict) -> list[str]:
-    return [
-        "## The optimizer step",
+    return section(
+        "The optimizer step",
         "AdamW's step alone, ms, over the sharded parameters of 8 blocks (dim "
         + " and ".join(dim.removeprefix("dim ") for dim in result["ms_per_step"])
         + f", 12 parameters each) on a fake group of {result['config']['world']}, per "
@@ -337,8 +338,7 @@ def optimizer_section(result: dict) -> list[str]:
         "shards and gradients. What fsdp_compose adds to plain tensors, torch's loop reading "
         "DTensors and the unwrapping of the lists handed to the arithmetic, is about 0.1 ms per "
         "96 parameters, most visible beside the fused kernel:",
-        code("python benchmarks/optimizer.py"), provenance(result["config"]),
-        optimizer_table(result)]
+        "python benchmarks/optimizer.py", provenance(result["config"]), optimizer_table(result))
 
 
 def full_state_dict_table(result: dict) -> str:
@@ -351,8 +351,8 @@ def full_state_dict_table(result: dict) -> str:
 
 
 def full_state_dict_section(result: dict) -> list[str]:
-    return [
-        "## Whole checkpoints",
+    return section(
+        "Whole checkpoints",
         "Rank 0's peak resident memory above what it held before, writing a whole checkpoint "
         "(float32) of a sharded model: `save_full_state_dict` (safetensors, a tensor gathered "
         "and written at a time) against torch.distributed.checkpoint's "
@@ -360,10 +360,10 @@ def full_state_dict_section(result: dict) -> list[str]:
         "`save_file` (the whole state dict on rank 0). Streaming holds about one tensor at a "
         "time, whatever the model's size (twice the largest here: gloo's all-gather stages its "
         "output); the other way, the whole model:",
-        code(command("torchrun --nproc_per_node=2 benchmarks/full_state_dict.py",
-                     result["config"], "CPU, gloo")),
+        command("torchrun --nproc_per_node=2 benchmarks/full_state_dict.py", result["config"],
+                "CPU, gloo"),
         f"{result['config']['world_size']} gloo ranks ({provenance(result['config'])}):",
-        full_state_dict_table(result)]
+        full_state_dict_table(result))
 
 
 def weights_table(result: dict) -> str:
@@ -375,8 +375,8 @@ def weights_table(result: dict) -> str:
 
 
 def weights_section(result: dict) -> list[str]:
-    return [
-        "## Weights out and in",
+    return section(
+        "Weights out and in",
         "A sharded model's weights whole, as an RL trainer sends them to an inference engine: "
         "`iter_full_state_dict` (an all-gather per unit, or per piece of a unit past its largest "
         "tensor and 4 MiB) against a loop of `full_tensor()` (one per tensor) and DCP's "
@@ -385,9 +385,9 @@ def weights_section(result: dict) -> list[str]:
         "`set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)` (all at once on "
         "rank 0). Peak: tensor memory above what was live (`MemTracker`), each tensor dropped "
         "as it arrives. With few large tensors each goes alone and the peak stays one tensor:",
-        code("torchrun --nproc_per_node=2 benchmarks/weights.py"),
+        "torchrun --nproc_per_node=2 benchmarks/weights.py",
         f"{result['config']['world']} gloo ranks ({provenance(result['config'])}):",
-        weights_table(result)]
+        weights_table(result))
 
 
 def render(found: dict, results: Path, figure: str | None) -> str:
