@@ -71,19 +71,16 @@ def interleaved(runs: dict[str, Callable], rounds: int, sync: Callable = lambda:
 
 
 def shard(model: nn.Module, blocks: Iterable[nn.Module], runtime: str = "fsdp_compose",
+          param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
           **options: object) -> nn.Module:
-    """Each block a unit, then the root, by fsdp_compose's fully_shard or torch's ("FSDP2")."""
-    shard_unit = fully_shard if runtime == "fsdp_compose" else torch_fully_shard
-    for block in blocks:
-        shard_unit(block, **options)
-    shard_unit(model, **options)
+    """Each block a unit, then the root, by fsdp_compose's fully_shard or torch's ("FSDP2"),
+    under the mixed-precision policy of these dtypes."""
+    ours = runtime == "fsdp_compose"
+    policy = (MixedPrecisionPolicy if ours else TorchMixedPrecisionPolicy)(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for unit in (*blocks, model):
+        (fully_shard if ours else torch_fully_shard)(unit, mp_policy=policy, **options)
     return model
-
-
-def policy(runtime: str, param_dtype: torch.dtype | None = None,
-           reduce_dtype: torch.dtype | None = None) -> object:
-    make = MixedPrecisionPolicy if runtime == "fsdp_compose" else TorchMixedPrecisionPolicy
-    return make(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 def config(args: argparse.Namespace, where: torch.device | None = None, **more: object) -> dict:

@@ -30,7 +30,7 @@ WORLD = 8
 def sharded(name: str, policy: str, dim: int, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(*(harness.Block(dim) for _ in range(8))).to(device)
-    harness.shard(model, model, name, mp_policy=harness.policy(name, *POLICIES[policy]),
+    harness.shard(model, model, name, *POLICIES[policy],
                   mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
     model(torch.randn(4, 16, dim, device=device)).float().pow(2).mean().backward()
     return model

@@ -220,7 +220,7 @@ def build(name: str, args: argparse.Namespace, device: torch.device) -> nn.Modul
                                        else [device.index])
     if name in SHARDED:
         dtypes = (torch.bfloat16, torch.float32) if args.mixed_precision else ()
-        harness.shard(model, model.blocks, name, mp_policy=harness.policy(name, *dtypes),
+        harness.shard(model, model.blocks, name, *dtypes,
                       mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
     return model
 
