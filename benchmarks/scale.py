@@ -30,9 +30,9 @@ def at_world(args, world: int) -> dict:
         times = harness.interleaved(runs, args.steps, warmup=1)  # the first: AdamW's state
         communication = {}
         for name, run in runs.items():
-            with step.CollectiveCounter() as counter:
+            with step.Counter(models[name]) as counter:
                 run()
-            communication[name] = {"calls": counter.calls, "bytes": counter.bytes}
+            communication[name] = counter.sent
         memory = {name: step.measure_memory(models[name], optims[name], tokens) for name in models}
         floor = step.analytic(args, models["floor"], memory["floor"])
         del models, optims, runs

@@ -57,45 +57,34 @@ COPIES = {
 
 
 class Counter(TorchDispatchMode):
-    """Calls and bytes (a DTensor's on this rank) by kind."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: dict[str, int] = {}
-        self.bytes: dict[str, int] = {}
-
-    def count(self, kind: str, payload: object) -> None:
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-        self.bytes[kind] = self.bytes.get(kind, 0) + sum(
-            t._local_tensor.nbytes if isinstance(t, DTensor) else t.nbytes
-            for t in tree_leaves(payload) if isinstance(t, torch.Tensor))
-
-
-class CollectiveCounter(Counter):
-    """Collectives issued from Python, with their payload (an all-gather's output, a
-    reduce-scatter's input, an all-reduce's tensor)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = COLLECTIVES.get(func._schema.name)
-        if kind is not None:
-            self.count(kind, args[1] if kind == "reduce_scatter" else args[0])
-        return func(*args, **(kwargs or {}))
-
-
-class CopyCounter(Counter):
-    """Copies outside the collectives by kind, with the bytes they write on this rank; also
-    adds into a `.grad` (accumulation) and DDP's copies into its buckets (mul.out, divided by
-    the world size). A collective's own staging is not counted: below the dispatcher it is out
-    of sight, and gloo's copy into a reduce-scatter's output, on the caller's thread, is
-    recognised."""
+    """Calls and bytes (a DTensor's on this rank) by kind: in `sent`, the collectives issued
+    from Python, with their payload (an all-gather's output, a reduce-scatter's input, an
+    all-reduce's tensor); in `calls` and `bytes`, the copies outside them, with the bytes they
+    write, also adds into a `.grad` (accumulation) and DDP's copies into its buckets (mul.out,
+    divided by the world size). A collective's own staging is not counted: below the
+    dispatcher it is out of sight, and gloo's copy into a reduce-scatter's output, on the
+    caller's thread, is recognised."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.params = list(model.parameters())
         self.inside_custom_op, self.reduce_outputs = False, set()  # of reduce-scatters in flight
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self.sent: dict[str, dict[str, int]] = {"calls": {}, "bytes": {}}
+
+    def count(self, kind: str, payload: object, into: dict | None = None) -> None:
+        calls, sizes = (into["calls"], into["bytes"]) if into else (self.calls, self.bytes)
+        calls[kind] = calls.get(kind, 0) + 1
+        sizes[kind] = sizes.get(kind, 0) + sum(
+            t._local_tensor.nbytes if isinstance(t, DTensor) else t.nbytes
+            for t in tree_leaves(payload) if isinstance(t, torch.Tensor))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs, name = kwargs or {}, func._schema.name
+        sent = COLLECTIVES.get(name)
+        if sent is not None:
+            self.count(sent, args[1] if sent == "reduce_scatter" else args[0], self.sent)
         kind = None if self.inside_custom_op else self.kind(name, args, kwargs)
         outer = kind is not None and func.namespace == "fsdp"
         self.inside_custom_op |= outer  # the ops it runs count as this one
@@ -340,16 +329,16 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     tokens = batch(args, (args.warmup + args.rounds) * args.steps, device)
     comm, copies = {}, {}
     for name, c in contenders.items():  # a step's collectives and copies outside them
-        with CollectiveCounter() as sent, CopyCounter(c.model) as copied:
+        with Counter(c.model) as copied:
             c.step(tokens)
         # DDP all-reduces every gradient once, from C++: unseen at dispatch.
-        comm[name] = {"calls": sent.calls, "bytes": sent.bytes} if name != "DDP" else {
+        comm[name] = copied.sent if name != "DDP" else {
             "calls": {}, "bytes": {"all_reduce": sum(p.nbytes for p in c.model.parameters())}}
         copies[name] = copied.result()
     # The model's own copies in the FSDPs' compute dtype (a bfloat16 RMSNorm computes in
     # float32, the loss copies its targets): a contender's beyond them are its runtime's.
     plain = build("floor", args, device).to(torch.bfloat16 if args.mixed_precision else args.dtype)
-    with CopyCounter(plain) as copied:
+    with Counter(plain) as copied:
         train_step(plain, torch.optim.SGD(plain.parameters()), tokens)
     copies["model"] = copied.result()
     memory = {name: measure_memory(c.model, c.optim, tokens, c.autocast)
