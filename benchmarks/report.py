@@ -56,17 +56,13 @@ def provenance(config: dict) -> str:
             f"{gpu}{machine['cpu']} ({machine['cpus']} cores), {machine['platform']}")
 
 
-def code(*lines: str) -> str:
-    return "```bash\n" + "\n".join(lines) + "\n```"
-
-
 def command(prefix: str, config: dict, comment: str) -> str:
     return f"{prefix} {' '.join(config['argv'])}".rstrip().ljust(48) + f" # {comment}"
 
 
 def section(title: str, prose: str, command: str, run: str, *blocks: str) -> list[str]:
     """A section as every one goes: its heading, what it measures, the command, the run, tables."""
-    return [f"## {title}", prose, code(command), run, *blocks]
+    return [f"## {title}", prose, f"```bash\n{command}\n```", run, *blocks]
 
 
 def duration(config: dict) -> str:
@@ -266,8 +262,9 @@ def overhead_section(results: dict) -> list[str]:
         "\"+ AdamW\" with a foreach AdamW step in every step, the unsharded model's too (it steps "
         f"W times the shards' elements); median of {more[0]['config']['repeats']} rounds of "
         f"{more[0]['config']['steps']} steps ({provenance(more[0]['config'])}):",
-        code(*(command("python benchmarks/overhead.py", m["config"], f"{m['config']['backend']}, "
-                       f"W={m['config']['world_size']}") for m in more)),
+        "```bash\n" + "\n".join(command("python benchmarks/overhead.py", m["config"],
+                                        f"{m['config']['backend']}, W={m['config']['world_size']}")
+                                for m in more) + "\n```",
         overhead_table([(f"{m['config']['units']} × {m['config']['block']} block".replace(
             "linear block", "Linear") + " + AdamW" * m["config"]["optimizer"], m["variants"],
             "us_per_unit", ".3f") for m in more])] if more else [])
