@@ -38,11 +38,12 @@ def iter_full_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None
             continue
         named = [(p, n) for p, n in zip(part.params, names) if n]
         # Shards with all-gather hooks of their own (tensor subclasses): their own gather.
-        hooked = [(p, n) for p, n in named if p.extension and not p.extension.hooks]
-        for p, name_group in hooked:
-            whole = p.sharded.full_tensor()  # type: ignore[attr-defined]
-            yield from ((name, _cast(whole, dtype)) for name in name_group)
-        plain = [(p, n) for p, n in named if (p, n) not in hooked]
+        own = [p.extension is not None and p.extension.hooks is None for p, _ in named]
+        for (p, name_group), hooked in zip(named, own):
+            if hooked:
+                whole = p.sharded.full_tensor()  # type: ignore[attr-defined]
+                yield from ((name, _cast(whole, dtype)) for name in name_group)
+        plain = [item for item, hooked in zip(named, own) if not hooked]
         for chunk in _chunks(plain, cap):
             gathered, offsets = _gather_bytes(part, [p for p, _ in chunk])
             for (p, start, end), (_, name_group) in zip(offsets, chunk):
