@@ -3,6 +3,7 @@ the units of one model (Root): the forward order, the end-of-backward callback."
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -35,10 +36,10 @@ class Prefetch:
         i = self.forward_index + 1
         return last_order[i : i + 1] if len(last_order) > i and last_order[i - 1] is unit else []
 
-    def in_backward(self, unit: UnitState) -> list[UnitState]:
+    def in_backward(self, unit: UnitState) -> Sequence[UnitState]:
         """The units to start gathering as `unit`'s backward begins."""
         explicit: list[UnitState] | None = unit.settings.backward_prefetch
-        return list(self.ended_forward_before) if explicit is None else explicit
+        return self.ended_forward_before if explicit is None else explicit
 
 
 class UnitState:
