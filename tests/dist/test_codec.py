@@ -65,3 +65,43 @@ def test_int8_codec_rounds_weights_and_quarters_the_bytes(ranks):
     int8, fp32 = ranks.run(check_int8_codec, world_size=2)[0]
     # Weights: 1 byte per element plus 4 per row, against 4 per element; biases as before.
     assert 0.25 < int8 / fp32 < 0.3, (int8, fp32)
+
+
+def check_codec_refusals() -> list[str]:
+    """What a codec, as an all-gather extension, cannot do: each refusal as every rank says it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    said = []
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    tp = fully_shard(parallelize_module(nn.Linear(8, 8), mesh["tp"], ColwiseParallel()),
+                     mesh=mesh["dp"])
+    try:
+        tp.set_all_gather_codec(Int8RowCodec())
+    except NotImplementedError as error:
+        said.append(str(error))
+    for codec_first in (True, False):
+        layer = fully_shard(nn.Linear(8, 8), reshard_after_forward=True)
+        if codec_first:
+            layer.set_all_gather_codec(Int8RowCodec())
+            layer.set_reshard_after_forward(2)
+        else:
+            layer.set_reshard_after_forward(2)
+            layer.set_all_gather_codec(Int8RowCodec())
+        try:
+            layer(torch.ones(2, 8))
+        except NotImplementedError as error:
+            said.append(str(error))
+    return said
+
+
+def test_a_codec_refuses_tensor_parallel_and_smaller_post_forward_groups_on_every_rank(ranks):
+    results = ranks.run(check_codec_refusals, world_size=4)
+    assert all(said == results[0] for said in results), results  # every rank alike
+    tp, *post_forward = results[0]
+    assert "['weight', 'bias'] are tensor-parallel" in tp and "Leave them out of `params`" in tp
+    assert len(post_forward) == 2
+    for message in post_forward:
+        assert "parameter 'weight' gathers through an all-gather extension" in message
+        assert "reshard_after_forward=<int>" in message and "pass a bool" in message

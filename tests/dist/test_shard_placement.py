@@ -5,6 +5,8 @@ is refused here too, naming the parameter, before anything changes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -167,23 +169,25 @@ def test_reshard_after_forward_to_a_smaller_group(ranks):
         assert vs_reference < 1e-4
 
 
+def experts_on_their_own_mesh() -> Callable[[nn.Parameter], object]:
+    """A shard_placement_fn putting each block's (36, 12) weights on a (2, 2) HSDP mesh of
+    their own (MoE experts), the rest on the unit's mesh (torch's ShardPlacementResult)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        HSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
+    info = HSDPMeshInfo(make_mesh((2, 2)), shard_mesh_dim=1, replicate_mesh_dim=0)
+    return lambda p: ShardPlacementResult(Shard(0), info) if p.shape == (36, 12) else None
+
+
 def check_parameters_on_their_own_mesh(
     reshard_after_forward: bool | int,
 ) -> tuple[float, float, dict[int, int]]:
     """torch's MoE pattern: some parameters (here each block's (36, 12) weights) on an HSDP
     mesh of their own, the rest fully sharded over all 4 ranks: two all-gathers per unit,
     gradients averaged over all ranks either way."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        HSDPMeshInfo,
-        ShardPlacementResult,
-    )
-
-    hsdp = make_mesh((2, 2))
-    info = HSDPMeshInfo(hsdp, shard_mesh_dim=1, replicate_mesh_dim=0)
-
-    def experts_apart(param: nn.Parameter) -> object:
-        return ShardPlacementResult(Shard(0), info) if param.shape == (36, 12) else None
-
+    experts_apart = experts_on_their_own_mesh()
     errors = train_and_compare(
         Transformer, lm_loss, token_batch, shard_placement_fn=experts_apart,
         reshard_after_forward=reshard_after_forward,
@@ -301,17 +305,7 @@ def check_an_all_reduce_hook_on_a_unit_of_two_meshes() -> dict[str, object]:
     meshes. The hook runs once per mesh with that mesh's reduced gradients; here it triples
     them in place (exact), so each block gradient is three times the unhooked model's."""
     import torch.distributed as dist
-    from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        HSDPMeshInfo,
-        ShardPlacementResult,
-    )
-
-    hsdp = make_mesh((2, 2))
-    info = HSDPMeshInfo(hsdp, shard_mesh_dim=1, replicate_mesh_dim=0)
-
-    def experts_apart(param: nn.Parameter) -> object:
-        return ShardPlacementResult(Shard(0), info) if param.shape == (36, 12) else None
-
+    experts_apart = experts_on_their_own_mesh()
     _, hooked, plain = three_models(Transformer, shard_placement_fn=experts_apart,
                                     shard_fns=(fully_shard, fully_shard))
     calls: list[int] = []
